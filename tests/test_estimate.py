@@ -1,0 +1,187 @@
+"""Memory estimates checked against the ZeRO paper (values copied from PAPER.md)."""
+
+import pytest
+
+from zero_strategy.cli import main, parse_count
+from zero_strategy.estimate import estimate, paper_table
+
+GB = 1e9
+PSI = 7_500_000_000
+
+# Table 1 of the paper: N -> (P_os, P_os+g, P_os+g+p) in GB per device, Psi = 7.5B, K = 12,
+# as printed (1 decimal, or 2 where the paper gives 2).
+PAPER_TABLE_1 = {
+    1: ("120", "120", "120"),
+    4: ("52.5", "41.3", "30"),
+    16: ("35.6", "21.6", "7.5"),
+    64: ("31.4", "16.6", "1.88"),
+    256: ("30.4", "15.4", "0.47"),
+    1024: ("30.1", "15.1", "0.12"),
+}
+
+
+def _matches_printed(value_gb: float, printed: str) -> bool:
+    """True if rounding value_gb half-up to the printed number of decimals gives it
+    (41.25 is printed as 41.3, so a plain abs < 0.05 would be too strict at the edge)."""
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    half_step = 0.5 * 10 ** -decimals
+    return -half_step - 1e-9 <= value_gb - float(printed) < half_step
+
+
+@pytest.mark.parametrize("n", sorted(PAPER_TABLE_1))
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_reproduces_paper_table_1(n, stage):
+    printed = PAPER_TABLE_1[n][stage - 1]
+    got = estimate(PSI, n, stage, "fp16", "adam").total / GB
+    assert _matches_printed(got, printed), (n, stage, got, printed)
+
+
+def test_paper_table_helper_matches_table_1():
+    rows = paper_table()
+    assert [row[0] for row in rows] == sorted(PAPER_TABLE_1)
+    for n, *gbs in rows:
+        for got, printed in zip(gbs, PAPER_TABLE_1[n]):
+            assert _matches_printed(got, printed), (n, got, printed)
+
+
+def test_baseline_is_16_bytes_per_param_in_mixed_precision():
+    for n in (1, 8, 1024):
+        assert estimate(PSI, n, 0).total == 16 * PSI  # 2 + 2 + 12, never divided by N
+
+
+def test_breakdown_per_stage_matches_the_formulas():
+    psi, n = 1_000_000, 8  # divisible, so the exact formula has no rounding
+    rows = {s: estimate(psi, n, s, "bf16", "adamw") for s in range(4)}
+    expected = {  # (params, grads, optimizer states) from PAPER.md with p = g = 2, K = 12
+        0: (2 * psi, 2 * psi, 12 * psi),
+        1: (2 * psi, 2 * psi, 12 * psi // n),
+        2: (2 * psi, 2 * psi // n, 12 * psi // n),
+        3: (2 * psi // n, 2 * psi // n, 12 * psi // n),
+    }
+    for s, (p, g, k) in expected.items():
+        r = rows[s]
+        assert (r.parameters, r.gradients, r.optimizer_states) == (p, g, k)
+        assert r.total == p + g + k
+
+
+def test_one_trillion_parameters_on_1024_ranks_needs_15_6_gb():
+    got = estimate(10**12, 1024, 3, "fp16").total
+    assert got == 15_625_000_000  # 16e12 / 1024 exactly
+    assert _matches_printed(got / GB, "15.6")
+
+
+def test_fp32_uses_4_byte_params_and_grads_and_k_8():
+    psi, n = 1_000_000, 4
+    assert estimate(psi, n, 0, "fp32", "adam").total == 16 * psi  # 4 + 4 + 8
+    assert estimate(psi, n, 1, "fp32", "adam").total == 8 * psi + 8 * psi // n
+    assert estimate(psi, n, 2, "fp32", "adam").total == 4 * psi + 12 * psi // n
+    assert estimate(psi, n, 3, "fp32", "adam").total == 16 * psi // n
+
+
+@pytest.mark.parametrize("optimizer, precision, k", [
+    ("sgd", "fp16", 8), ("sgd", "fp32", 4),
+    ("sgd_nomomentum", "bf16", 4), ("sgd-plain", "fp32", 0),
+])
+def test_other_optimizers_k(optimizer, precision, k):
+    p = 4 if precision == "fp32" else 2
+    assert estimate(1000, 1, 0, precision, optimizer).total == (2 * p + k) * 1000
+
+
+def test_a_rank_holds_ceil_psi_over_n_elements():
+    # 10 elements over 4 ranks: each rank holds 3 (the last one partly padding).
+    r = estimate(10, 4, 3, "fp16")
+    assert (r.parameters, r.gradients, r.optimizer_states) == (6, 6, 36)
+
+
+def test_no_overheads_unless_requested():
+    for stage in range(4):
+        r = estimate(PSI, 64, stage)
+        assert r.overheads == {} and r.total_with_overheads == r.total
+
+
+def test_overhead_terms_when_requested():
+    n, bucket, units = 64, 25_000_000, 48
+    args = dict(reduce_bucket_size=bucket, prefetch_bucket_size=50_000_000,
+                num_units=units, persistent_params=1_000_000, largest_unit=200_000_000)
+    r = {s: estimate(PSI, n, s, "fp16", "adam", **args) for s in range(4)}
+    # Two fp16 gradient buckets for stages 0-2; stage 3 reduces per gathered unit instead.
+    for s in (0, 1, 2):
+        assert r[s].overheads["reduce_buckets"] == 2 * bucket * 2
+    assert "reduce_buckets" not in r[3].overheads
+    # Padding: at most N - 1 elements per unit in all, spread over N ranks.
+    assert "padding" not in r[0].overheads
+    for s, partitioned_bytes in ((1, 12), (2, 14), (3, 16)):
+        bound = units * (n - 1) * partitioned_bytes / n
+        assert 0 < r[s].overheads["padding"] <= bound + 1
+    # Stage 3: the gathered unit and the prefetched parameters, fp16 params + grads.
+    assert r[3].overheads["gathered_parameters"] == (200_000_000 + 50_000_000) * 4
+    # Persistent parameters: whole instead of 1/64, for params and grads.
+    assert r[3].overheads["persistent_parameters"] == 1_000_000 * 4 * 63 // 64
+    for s in range(3):
+        assert "gathered_parameters" not in r[s].overheads
+        assert "persistent_parameters" not in r[s].overheads
+    for s in range(4):
+        assert r[s].total_with_overheads == r[s].total + sum(r[s].overheads.values())
+
+
+def test_padding_is_zero_on_one_rank():
+    assert estimate(PSI, 1, 3, num_units=10).overheads["padding"] == 0
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(num_params=0, world_size=4, stage=1),
+    dict(num_params=-5, world_size=4, stage=1),
+    dict(num_params=1.5, world_size=4, stage=1),
+    dict(num_params=100, world_size=0, stage=1),
+    dict(num_params=100, world_size=True, stage=1),
+    dict(num_params=100, world_size=4, stage=4),
+    dict(num_params=100, world_size=4, stage=1, precision="fp8"),
+    dict(num_params=100, world_size=4, stage=1, optimizer="lion"),
+    dict(num_params=100, world_size=4, stage=1, reduce_bucket_size=0),
+    dict(num_params=100, world_size=4, stage=3, num_units=0),
+    dict(num_params=100, world_size=4, stage=3, persistent_params=101),
+    dict(num_params=100, world_size=4, stage=3, largest_unit=-1),
+])
+def test_invalid_input_raises_value_error(kwargs):
+    with pytest.raises(ValueError):
+        estimate(**kwargs)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000), ("350M", 350_000_000),
+    ("1T", 10**12), ("25_000_000", 25_000_000), ("1.5b", 1_500_000_000),
+])
+def test_cli_param_counts(text, value):
+    assert parse_count(text) == value
+
+
+def test_cli_estimate_prints_paper_values_for_64_ranks(capsys):
+    assert main(["estimate", "--params", "7.5B", "--world-size", "64"]) == 0
+    out = capsys.readouterr().out
+    # Formula values for N = 64: 4Psi + 12Psi/64, 2Psi + 14Psi/64, 16Psi/64 -- the paper's
+    # 31.4 / 16.6 / 1.88 GB, printed with two decimals and as raw bytes.
+    for line_start, gb, raw in [("1 ", "31.41", "31,406,250,000"),
+                                ("2 ", "16.64", "16,640,625,000"),
+                                ("3 ", "1.88", "1,875,000,000"),
+                                ("0 ", "120.00", "120,000,000,000")]:
+        line = next(l for l in out.splitlines() if l.startswith(line_start))
+        assert f"{gb} GB ({raw} B)" in line, line
+    assert "P_os+g+p" in out and "baseline" in out
+
+
+def test_cli_several_world_sizes_and_overhead_explanations(capsys):
+    main(["estimate", "--params", "1T", "--world-size", "1,1024",
+          "--reduce-bucket-size", "25M"])
+    out = capsys.readouterr().out
+    assert "N = 1," in out and "N = 1024," in out
+    # 1T at N = 1024, stage 3: 16e12 / 1024 bytes, the paper's 15.6 GB.
+    stage3 = [l for l in out.splitlines() if l.startswith("3 ")][-1]
+    assert "15.6" in stage3 and "(15,625,000,000 B)" in stage3
+    assert "reduce_buckets" in out and "100,000,000 B" in out  # 2 x 25M x 2 bytes
+
+
+def test_cli_rejects_bad_input():
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "lots"])
+    with pytest.raises(SystemExit):
+        main(["estimate", "--params", "1B", "--optimizer", "lion"])

@@ -1,0 +1,29 @@
+"""zero_strategy: ZeRO data parallelism (Rajbhandari et al., SC 2020) for existing training loops.
+
+    engine = zero_strategy.initialize(model, optimizer, {"stage": 3, "precision": "bf16"})
+    loss = model(**batch).loss
+    engine.backward(loss)
+    engine.step()
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .config import ZeroConfig
+from .estimate import MemoryEstimate, estimate
+from .engine import ZeroEngine
+
+__version__ = "0.1.0"
+
+
+def initialize(model, optimizer=None, config=None, process_group=None) -> ZeroEngine:
+    """Shard ``model`` in place and re-point ``optimizer`` at this rank's shards.
+
+    ``model`` stays the same object of the same class; run it as before.  ``config`` is
+    a :class:`ZeroConfig`, a dict of its fields, or a path to a json/yaml file.
+    ``process_group`` defaults to the initialised default group (or a single process
+    when torch.distributed is not initialised)."""
+    return ZeroEngine(model, optimizer, config, process_group=process_group)
+
+
+__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "estimate", "MemoryEstimate", "__version__"]

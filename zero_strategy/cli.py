@@ -1,0 +1,154 @@
+"""Command line: `zero-strategy <subcommand> ...` (also `python -m zero_strategy.cli`).
+
+To add a subcommand, write `_add_<name>_args(parser)` and `_run_<name>(args) -> int`
+and register both in SUBCOMMANDS at the bottom of this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from decimal import Decimal, InvalidOperation
+from typing import Callable, Optional, Sequence
+
+from .estimate import OVERHEAD_DESCRIPTIONS, STAGE_NAMES, estimate, optimizer_bytes_per_param
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str) -> int:
+    """'7.5e9', '7.5B', '350M', '1T', '25_000_000' -> an exact int (Decimal avoids 7.5e9
+    turning into 7499999999 through float rounding)."""
+    raw = text.strip().replace("_", "").replace(",", "")
+    scale = 1
+    if raw and raw[-1].lower() in _SUFFIXES:
+        scale = _SUFFIXES[raw[-1].lower()]
+        raw = raw[:-1]
+    try:
+        value = Decimal(raw) * scale
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a count; use e.g. 7.5e9, 7.5B, 350M, 1T") from None
+    if not value.is_finite() or value != value.to_integral_value() or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole, non-negative count")
+    return int(value)
+
+
+def _world_sizes(values: Optional[list]) -> list:
+    """--world-size may repeat and take comma lists: 64, or 1,4,16."""
+    if not values:
+        return [1, 4, 16, 64, 256, 1024]  # the world sizes of the paper's Table 1
+    sizes = []
+    for value in values:
+        for part in value.split(","):
+            if part.strip():
+                size = parse_count(part)
+                if size < 1:
+                    raise argparse.ArgumentTypeError(f"world size must be >= 1, got {part!r}")
+                sizes.append(size)
+    return sizes
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:,.2f} GB ({num_bytes:,} B)"
+
+
+# -- estimate ------------------------------------------------------------------------
+
+
+def _add_estimate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=parse_count, required=True,
+                        help="number of parameters: 7.5e9, 7.5B, 350M, 1T")
+    parser.add_argument("--world-size", action="append", metavar="N[,N...]",
+                        help="data-parallel ranks; repeat or comma-separate "
+                             "(default: 1,4,16,64,256,1024 as in the paper)")
+    parser.add_argument("--precision", default="fp16", help="fp16 (default), bf16 or fp32")
+    parser.add_argument("--optimizer", default="adam",
+                        help="adam (default), adamw, sgd, sgd_nomomentum")
+    for flag, what in [
+        ("--reduce-bucket-size", "elements per gradient bucket (stages 0-2)"),
+        ("--prefetch-bucket-size", "elements of prefetched parameters (stage 3)"),
+        ("--num-units", "number of flat units, each padded to a multiple of N"),
+        ("--persistent-params", "elements of small params kept whole (stage 3)"),
+        ("--largest-unit", "elements of the largest gathered unit (stage 3)"),
+    ]:
+        parser.add_argument(flag, type=parse_count, default=None,
+                            help=what + "; adds an overhead term")
+
+
+def _run_estimate(args: argparse.Namespace) -> int:
+    sizes = _world_sizes(args.world_size)
+    overhead_args = dict(
+        reduce_bucket_size=args.reduce_bucket_size,
+        prefetch_bucket_size=args.prefetch_bucket_size,
+        num_units=args.num_units,
+        persistent_params=args.persistent_params or 0,
+        largest_unit=args.largest_unit or 0,
+    )
+    k = optimizer_bytes_per_param(args.optimizer, args.precision)
+    header = ("stage", "name", "params", "grads", "optimizer states",
+              "total (formula)", "total with overheads")
+    for n in sizes:
+        results = [estimate(args.params, n, s, args.precision, args.optimizer, **overhead_args)
+                   for s in range(4)]
+        print(f"Model states per rank: {args.params:,} parameters, N = {n}, "
+              f"precision {args.precision}, optimizer {args.optimizer} (K = {k} bytes/param)")
+        rows = [header] + [
+            (str(s), STAGE_NAMES[s], _gb(r.parameters), _gb(r.gradients),
+             _gb(r.optimizer_states), _gb(r.total), _gb(r.total_with_overheads))
+            for s, r in enumerate(results)
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        _print_overheads(results)
+        print()
+    return 0
+
+
+def _print_overheads(results: list) -> None:
+    terms = [t for t in OVERHEAD_DESCRIPTIONS if any(t in r.overheads for r in results)]
+    if not terms:
+        print("Overheads: none requested (pass --reduce-bucket-size, --num-units, "
+              "--largest-unit, --prefetch-bucket-size or --persistent-params).")
+        return
+    print("Overheads this implementation adds beyond the paper's formula:")
+    for term in terms:
+        print(f"  {term}: {OVERHEAD_DESCRIPTIONS[term]}")
+        for stage, r in enumerate(results):
+            if term in r.overheads:
+                print(f"    stage {stage}: {_gb(r.overheads[term])}")
+
+
+# -- dispatch ------------------------------------------------------------------------
+
+# name -> (help text, add-arguments function, run function returning an exit code)
+SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
+    "estimate": ("model-state memory per rank for ZeRO stages 0-3",
+                 _add_estimate_args, _run_estimate),
+    # "consolidate": (..., _add_consolidate_args, _run_consolidate),  -- to be added
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zero-strategy", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, add_args, run) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(sub_parser)
+        sub_parser.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args._run(args)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        # Bad values (e.g. an unknown optimizer) are usage errors, not crashes.
+        parser.error(str(exc))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""ZeRO settings as one validated, immutable value.
+
+Every entry point (plain PyTorch, Lightning, Accelerate, the Trainer, the CLI) goes
+through `ZeroConfig.coerce`, so a typo or an out-of-range number fails here, once,
+with a message that says what is allowed -- not deep inside a collective call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import numbers
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+# Spellings used by Lightning, Accelerate and torch, so a user can paste what they
+# already have in another framework's config.
+_PRECISION_ALIASES = {
+    "fp32": "fp32", "32": "fp32", "float32": "fp32",
+    "bf16": "bf16", "bf16-mixed": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "16": "fp16", "16-mixed": "fp16", "fp16-mixed": "fp16", "float16": "fp16",
+}
+
+# Integer fields: name -> (minimum, maximum or None, what the number means).
+_INT_RULES = {
+    "stage": (0, 3, "0 = replicate like DDP, 1 = shard optimizer state, 2 = + gradients, "
+                    "3 = + parameters"),
+    "reduce_bucket_size": (1, None, "elements per gradient-reduction bucket"),
+    "allgather_bucket_size": (1, None, "elements per parameter all-gather bucket"),
+    "prefetch_bucket_size": (0, None, "elements to prefetch; 0 disables prefetch"),
+    "param_persistence_threshold": (0, None, "elements; smaller stage-3 params stay whole"),
+    "initial_scale_power": (0, 64, "the dynamic loss scale starts at 2**initial_scale_power"),
+    "loss_scale_window": (1, None, "steps without overflow before the scale doubles"),
+    "hysteresis": (1, None, "overflows tolerated before the scale is lowered"),
+}
+
+# Float fields: name -> (minimum, whether the minimum itself is allowed, meaning).
+_FLOAT_RULES = {
+    "loss_scale": (0.0, True, "0 = dynamic loss scaling, > 0 = static scale"),
+    "min_loss_scale": (0.0, False, "the dynamic loss scale never drops below this"),
+    "gradient_clipping": (0.0, True, "0 = off, else the max global gradient norm"),
+}
+
+
+def canonical_precision(value: Any, name: str = "precision") -> str:
+    """Map a precision spelling ("16-mixed", "bfloat16", 32, ...) to fp32/bf16/fp16."""
+    # Lightning accepts precision=32 / 16 as ints; bools are ints too but never meant.
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = str(int(value))
+    if isinstance(value, str) and value.strip().lower() in _PRECISION_ALIASES:
+        return _PRECISION_ALIASES[value.strip().lower()]
+    raise ValueError(
+        f"{name} must be one of {', '.join(PRECISIONS)} "
+        f"(aliases: {', '.join(sorted(set(_PRECISION_ALIASES) - set(PRECISIONS)))}), "
+        f"got {value!r}"
+    )
+
+
+def _type_error(name: str, value: Any, expected: str) -> ValueError:
+    return ValueError(
+        f"ZeroConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})"
+    )
+
+
+def _as_int(name: str, value: Any) -> int:
+    """Accept ints, whole floats (5e8 from JSON) and numeric strings (PyYAML reads 5e8
+    as the string "5e8"); anything else is a ValueError naming the field."""
+    expected = "an integer"
+    if isinstance(value, bool):  # True would silently become 1
+        raise _type_error(name, value, expected)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            value = float(text)
+        except ValueError:
+            raise _type_error(name, value, expected) from None
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+        raise _type_error(name, value, expected)
+    if isinstance(value, numbers.Real) and int(value) == value:
+        return int(value)
+    raise _type_error(name, value, expected)
+
+
+def _as_float(name: str, value: Any) -> float:
+    expected = "a finite number"
+    if isinstance(value, bool):
+        raise _type_error(name, value, expected)
+    try:
+        if isinstance(value, str):
+            result = float(value.strip())
+        elif isinstance(value, numbers.Real):
+            result = float(value)
+        else:
+            raise _type_error(name, value, expected)
+    except (ValueError, OverflowError):
+        raise _type_error(name, value, expected) from None
+    if not math.isfinite(result):
+        raise _type_error(name, value, expected)
+    return result
+
+
+def _as_unit_modules(value: Any) -> tuple:
+    name = "unit_modules"
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise _type_error(name, value, "a class name or a list of class names")
+    if not value or not all(isinstance(v, str) and v.strip() for v in value):
+        raise _type_error(name, value, "a non-empty list of non-empty class names")
+    result = tuple(v.strip() for v in value)
+    # "auto" picks the units itself; mixing it with explicit names has no clear meaning.
+    if "auto" in result and len(result) > 1:
+        raise ValueError(
+            f"ZeroConfig.unit_modules: 'auto' must be used alone, got {list(result)!r}"
+        )
+    return result
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How ZeRO partitions model states and how it communicates them.
+
+    Sizes are in elements, not bytes, so one setting means the same amount of
+    work whatever the dtype.
+    """
+
+    stage: int = 2
+    """0 = replicate everything like DDP, 1 = partition optimizer state and the fp32
+    master copy (P_os), 2 = also partition gradients (P_os+g), 3 = also partition
+    parameters (P_os+g+p). Allowed: 0..3."""
+
+    precision: str = "fp32"
+    """Dtype of the parameters used in forward/backward: "fp32", "bf16" or "fp16".
+    Aliases such as "bf16-mixed", "16-mixed", "float16" or "32" are normalised."""
+
+    reduce_dtype: Optional[str] = None
+    """Dtype gradients are reduced in; None = the same as `precision`. Reducing in fp32
+    while computing in bf16 trades bandwidth for accuracy of the sum."""
+
+    reduce_bucket_size: int = 25_000_000
+    """Elements of gradients gathered into one reduce(-scatter) call (>= 1). Bigger
+    buckets mean fewer, more efficient calls but more memory held by the buffers."""
+
+    allgather_bucket_size: int = 25_000_000
+    """Elements of updated parameters gathered in one all-gather call after step() (>= 1)."""
+
+    overlap_comm: bool = True
+    """Launch gradient reductions during backward instead of after it, hiding
+    communication behind computation at the cost of one more bucket of memory."""
+
+    prefetch_bucket_size: int = 50_000_000
+    """Stage 3: elements of parameters gathered ahead of the module that needs them
+    (>= 0; 0 disables prefetch)."""
+
+    param_persistence_threshold: int = 100_000
+    """Stage 3: parameters with fewer elements than this stay whole on every rank, since
+    gathering many tiny tensors costs more in latency than it saves in memory (>= 0)."""
+
+    unit_modules: tuple = ("auto",)
+    """Stage 3: class names of the modules whose parameters are gathered together, e.g.
+    ("GPT2Block",). ("auto",) = the largest repeated module class in the model."""
+
+    loss_scale: float = 0.0
+    """fp16 only: 0 = dynamic loss scaling, > 0 = a static scale applied to every loss."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at 2**initial_scale_power (0..64)."""
+
+    loss_scale_window: int = 1000
+    """fp16 dynamic scaling: steps without overflow before the scale doubles (>= 1)."""
+
+    hysteresis: int = 2
+    """fp16 dynamic scaling: overflows tolerated before the scale is lowered (>= 1)."""
+
+    min_loss_scale: float = 1.0
+    """fp16 dynamic scaling never lowers the scale below this (> 0)."""
+
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm to this in step() (>= 0; 0 = off). Done by ZeRO
+    itself because with partitioned gradients no rank sees the whole norm."""
+
+    def __post_init__(self) -> None:
+        # Frozen dataclass: normalised values have to be written with object.__setattr__.
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        for name, (low, high, meaning) in _INT_RULES.items():
+            value = _as_int(name, getattr(self, name))
+            if value < low or (high is not None and value > high):
+                allowed = f"between {low} and {high}" if high is not None else f">= {low}"
+                raise ValueError(f"ZeroConfig.{name} must be {allowed} ({meaning}), got {value}")
+            put(name, value)
+
+        for name, (low, inclusive, meaning) in _FLOAT_RULES.items():
+            value = _as_float(name, getattr(self, name))
+            if value < low or (value == low and not inclusive):
+                allowed = f"{'>=' if inclusive else '>'} {low:g}"
+                raise ValueError(f"ZeroConfig.{name} must be {allowed} ({meaning}), got {value:g}")
+            put(name, value)
+
+        put("precision", canonical_precision(self.precision, "ZeroConfig.precision"))
+        if self.reduce_dtype is not None:
+            put("reduce_dtype", canonical_precision(self.reduce_dtype, "ZeroConfig.reduce_dtype"))
+        if not isinstance(self.overlap_comm, bool):
+            raise _type_error("overlap_comm", self.overlap_comm, "true or false")
+        put("unit_modules", _as_unit_modules(self.unit_modules))
+
+    # -- what the stage implies -------------------------------------------------------
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self.stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        return self.stage == 3
+
+    @property
+    def is_mixed_precision(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        # bf16 has fp32's exponent range, so only fp16 gradients underflow.
+        return self.precision == "fp16"
+
+    @property
+    def param_dtype(self):
+        return _torch_dtype(self.precision)
+
+    @property
+    def grad_reduce_dtype(self):
+        return _torch_dtype(self.reduce_dtype or self.precision)
+
+    # -- construction -----------------------------------------------------------------
+
+    def replace(self, **changes: Any) -> "ZeroConfig":
+        """A validated copy with `changes` applied (unknown names get a suggestion)."""
+        return ZeroConfig.from_dict({**self.to_dict(), **changes})
+
+    def to_dict(self) -> dict:
+        """Plain JSON/YAML-safe values; `from_dict(to_dict())` gives an equal config."""
+        result = dataclasses.asdict(self)
+        result["unit_modules"] = list(self.unit_modules)  # yaml.safe_dump rejects tuples
+        return result
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ZeroConfig":
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"a ZeroConfig must be built from a mapping of field names to values, "
+                f"got {type(data).__name__}"
+            )
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in valid:
+                raise ValueError(_unknown_key_message(key, valid))
+        return cls(**data)
+
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike]) -> "ZeroConfig":
+        """Read a .json, .yaml or .yml file whose top level maps field names to values."""
+        path = Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (".json", ".yaml", ".yml"):
+            raise ValueError(
+                f"cannot read ZeroConfig from {str(path)!r}: unsupported file type "
+                f"{suffix or '(no suffix)'!r}; use .json, .yaml or .yml"
+            )
+        if not path.is_file():
+            raise FileNotFoundError(f"ZeroConfig file not found: {str(path)!r}")
+        text = path.read_text(encoding="utf-8")
+        try:
+            if suffix == ".json":
+                data = json.loads(text)
+            else:
+                import yaml  # only needed for YAML files
+
+                data = yaml.safe_load(text)
+        except Exception as exc:  # JSON and YAML raise unrelated types
+            raise ValueError(f"cannot parse ZeroConfig file {str(path)!r}: {exc}") from exc
+        if not isinstance(data, Mapping):
+            raise ValueError(
+                f"ZeroConfig file {str(path)!r} must contain a mapping of field names to "
+                f"values at the top level, got {type(data).__name__}"
+            )
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from exc
+
+    @classmethod
+    def coerce(cls, value: Union[None, "ZeroConfig", Mapping, str, os.PathLike]) -> "ZeroConfig":
+        """The one way other modules turn user input into a ZeroConfig."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_dict(value)
+        if isinstance(value, (str, os.PathLike)):
+            return cls.from_file(value)
+        raise TypeError(
+            "expected None, a ZeroConfig, a dict or a path to a .json/.yaml file, "
+            f"got {type(value).__name__}"
+        )
+
+
+def _unknown_key_message(key: Any, valid: list) -> str:
+    close = difflib.get_close_matches(str(key), valid, n=1) if isinstance(key, str) else []
+    if close:
+        return f"unknown ZeroConfig key {key!r}; did you mean {close[0]!r}?"
+    return f"unknown ZeroConfig key {key!r}; valid keys are {', '.join(valid)}"
+
+
+def _torch_dtype(precision: str):
+    # Imported here so that the config and the estimate CLI load without torch.
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -1,0 +1,352 @@
+"""ZeroEngine: one training step of ZeRO-DP over a model sharded in place.
+
+The phases of a step, as the code follows them:
+
+1. forward  - stage 3 gathers each unit module's parameters just before it runs
+              (prefetching the next ones) and releases them after.
+2. backward - each parameter's gradient is copied into its unit's flat buffer the
+              moment autograd finishes it; complete units are reduced (reduce-scatter,
+              or all-reduce at stage 0) asynchronously, in a fixed order, while
+              backward continues; everything is waited for when backward ends.
+3. step     - this rank's reduced gradient slice becomes the fp32 master's gradient
+              (unscaled for fp16; an overflow anywhere skips the step everywhere),
+              optional global-norm clipping, the user's optimizer updates the shards,
+              the compute-dtype shards are refreshed and (stages 1-2) all-gathered.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.nn as nn
+
+from .accounting import optimizer_state_bytes
+from .comm import Communicator
+from .config import ZeroConfig
+from .flat_unit import FlatUnit
+from .gather import ModuleGroup, ParameterGatherer
+from .hooks import cast_floating_inputs, register_hooks
+from .optimizer import ZeroOptimizer, repoint_optimizer
+from .planner import plan_partitioned_params, plan_replicated_params
+from .precision import LossScaler
+
+STATE_FORMAT = "zero_strategy.rank_state/1"
+
+
+class ZeroEngine:
+    """Owns the units, the reducer, the gatherer and the loss scaler for one model."""
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config, process_group=None) -> None:
+        self.config = ZeroConfig.coerce(config)
+        self.module = model
+        self.comm = Communicator(process_group)
+        self.scaler = LossScaler.from_config(self.config)
+        self.global_step = 0
+        self.last_step_skipped = False
+        self._synced = True
+        self._callback_queued = False
+        self._master_grads_ready = False
+        self._closed = False
+        cfg = self.config
+        compute_dtype = cfg.param_dtype
+
+        plan = (plan_partitioned_params if cfg.shards_parameters else plan_replicated_params)(model, optimizer, cfg)
+        self.untouched = plan.untouched
+        self.orig_dtype_untouched = {n: p.dtype for n, p in plan.untouched.items()}
+        for p in plan.untouched.values():
+            if p.is_floating_point() and p.dtype != compute_dtype:
+                p.data = p.data.to(compute_dtype)
+
+        self.units: List[FlatUnit] = []
+        for i, spec in enumerate(plan.units):
+            self.units.append(
+                FlatUnit(
+                    i,
+                    spec.params,
+                    spec.names,
+                    group_index=spec.group_index,
+                    rank=self.comm.rank,
+                    world_size=self.comm.world_size,
+                    partition=cfg.stage >= 1,
+                    keep_full=not cfg.shards_parameters or spec.persistent,
+                    compute_dtype=compute_dtype,
+                    reduce_dtype=cfg.grad_reduce_dtype,
+                    keep_master=cfg.is_mixed_precision,
+                    shards_gradients=cfg.shards_gradients,
+                )
+            )
+        self.trainable_units = [u for u in self.units if u.trainable]
+
+        # The user's optimizer now updates this rank's shards.
+        self.inner_optimizer = optimizer
+        self.optimizer: Optional[ZeroOptimizer] = None
+        if optimizer is not None:
+            per_group: Dict[int, list] = {}
+            for u in self.trainable_units:
+                per_group.setdefault(u.group_index, []).append(u.optim_param)
+            repoint_optimizer(optimizer, per_group)
+            self.optimizer = ZeroOptimizer(self)
+
+        from .reducer import GradientReducer
+
+        largest = max((u.layout.padded_numel for u in self.trainable_units), default=0)
+        self.reducer = GradientReducer(
+            self._reduction_order(plan),
+            self.comm,
+            replicated=cfg.stage == 0,
+            overlap=cfg.overlap_comm,
+            max_in_flight=2 * max(cfg.reduce_bucket_size, largest),
+        )
+
+        self.gatherer: Optional[ParameterGatherer] = None
+        if cfg.shards_parameters:
+            groups: Dict[int, ModuleGroup] = {}
+            names = {id(m): n for n, m in model.named_modules()}
+            for u, spec in zip(self.units, plan.units):
+                if spec.module is None:
+                    continue
+                g = groups.get(id(spec.module))
+                if g is None:
+                    g = groups[id(spec.module)] = ModuleGroup(spec.module, names.get(id(spec.module), "") or "<root>", [])
+                g.units.append(u)
+                g.numel += u.layout.padded_numel
+            self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
+
+        self._handles = register_hooks(self)
+
+    # ------------------------------------------------------------------------------------
+    def _reduction_order(self, plan) -> List[FlatUnit]:
+        units = [u for u in self.units if u.trainable]
+        if not self.config.shards_parameters:
+            return units  # already built in reverse registration order
+        # Stage 3: unit modules in reverse registration order, the root last, then the
+        # small persistent units (their gradients are ready at various points).
+        order = {id(m): i for i, m in enumerate(self.module.modules())}
+
+        def key(u_spec):
+            u, spec = u_spec
+            if spec.persistent:
+                return (2, 0)
+            if spec.module is self.module:
+                return (1, 0)
+            return (0, -order[id(spec.module)])
+
+        pairs = [(u, s) for u, s in zip(self.units, plan.units) if u.trainable]
+        return [u for u, _ in sorted(pairs, key=key)]
+
+    # -- hooks' entry points ---------------------------------------------------------------
+    def _on_param_grad(self, unit: FlatUnit, pos: int) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        unit.accept_grad(pos)
+        self.reducer.on_grad_ready(unit, self._synced)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        self.reducer.flush(self._synced)
+        if self.gatherer is not None:
+            self.gatherer.end_of_backward()
+        self._master_grads_ready = False
+
+    def _on_root_pre_forward(self, args, kwargs):
+        self._check_open()
+        if torch.is_grad_enabled() and self._synced:
+            for u in self.trainable_units:
+                u.prepare_for_another_synced_backward()
+        if self.config.is_mixed_precision:
+            return cast_floating_inputs(args, kwargs, self.config.param_dtype)
+        return None
+
+    def _on_root_post_forward(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.end_of_forward()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ZeroEngine was closed: the model's parameters are no longer managed; build a new engine with zero_strategy.initialize")
+
+    # -- training API -------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward()``, with the fp16 loss scale applied."""
+        self._check_open()
+        if self.scaler.scale != 1.0:
+            loss = loss * self.scaler.scale
+        loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient-accumulation micro-batches: stages 0/1 skip communication inside."""
+        previous = self._synced
+        self._synced = False
+        try:
+            yield
+        finally:
+            self._synced = previous
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self._synced
+
+    def _prepare_master_grads(self) -> bool:
+        """Give each optimizer shard its fp32 gradient; return True on an fp16 overflow
+        anywhere (agreed on by every rank)."""
+        if self._master_grads_ready:
+            return self._overflow
+        if self.reducer.busy:
+            self.reducer.flush(self._synced)
+        inv_scale = 1.0 / self.scaler.scale
+        local_overflow = False
+        for u in self.trainable_units:
+            g = u.reduced_grad()
+            p = u.optim_param
+            if g.dtype == p.dtype and inv_scale == 1.0:
+                p.grad = g
+            else:
+                p.grad = g.to(p.dtype)
+                if inv_scale != 1.0:
+                    p.grad.mul_(inv_scale)
+            if self.config.uses_loss_scaling and not local_overflow:
+                local_overflow = not bool(torch.isfinite(p.grad).all())
+        overflow = False
+        if self.config.uses_loss_scaling:
+            flag = torch.tensor([1.0 if local_overflow else 0.0], device=self._device())
+            overflow = bool(self.comm.control_all_reduce(flag, "max").item() > 0)
+        self._overflow = overflow
+        self._master_grads_ready = True
+        return overflow
+
+    def _device(self) -> torch.device:
+        return self.units[0].device if self.units else torch.device("cpu")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip this step's gradients by their global norm over every shard; return the
+        norm before clipping (inf/nan after an fp16 overflow, in which case nothing is clipped)."""
+        self._check_open()
+        if self.optimizer is None:
+            raise RuntimeError("clip_grad_norm_ needs an optimizer: initialize was called with optimizer=None")
+        overflow = self._prepare_master_grads()
+        norm_type = float(norm_type)
+        grads = [u.optim_param.grad for u in self.trainable_units if u.optim_param.grad is not None]
+        dev = self._device()
+        if norm_type == math.inf:
+            local = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=dev)).reshape(1)
+            total = self._reduce_norm(local, "max")[0]
+        else:
+            local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=dev)).reshape(1)
+            total = self._reduce_norm(local, "sum")[0] ** (1.0 / norm_type)
+        if overflow or not torch.isfinite(total):
+            return total
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    def _reduce_norm(self, local: torch.Tensor, op: str) -> torch.Tensor:
+        # Stage 0 holds the whole (replicated) gradient on every rank: nothing to combine.
+        if self.config.stage == 0:
+            return local
+        return self.comm.control_all_reduce(local, op)
+
+    def step(self) -> bool:
+        """Apply the optimizer to this rank's shards and refresh the parameters.
+
+        Returns False when an fp16 overflow (on any rank) skipped the step."""
+        self._check_open()
+        if self.optimizer is None:
+            raise RuntimeError("step() needs an optimizer: initialize was called with optimizer=None")
+        overflow = self._prepare_master_grads()
+        if overflow:
+            self.scaler.update(True)
+            self.last_step_skipped = True
+            self.zero_grad()
+            return False
+        if self.config.gradient_clipping > 0:
+            self.clip_grad_norm_(self.config.gradient_clipping)
+        self.inner_optimizer.step()
+        for u in self.trainable_units:
+            u.write_back_master()
+        self._all_gather_updated_params()
+        self.scaler.update(False)
+        self.last_step_skipped = False
+        self.global_step += 1
+        self.zero_grad()
+        return True
+
+    def _all_gather_updated_params(self) -> None:
+        """Stages 1-2 (and stage 3's persistent units): every rank needs the full update."""
+        if self.config.stage == 0:
+            return
+        pending, in_flight = [], 0
+        for u in self.trainable_units:
+            if not u.keep_full:
+                continue  # stage 3: gathered on demand by the next forward
+            pending.append(self.comm.all_gather(u.full.data, u.shard, async_op=True))
+            in_flight += u.layout.padded_numel
+            if in_flight > self.config.allgather_bucket_size:
+                for w in pending:
+                    w.wait()
+                pending, in_flight = [], 0
+        for w in pending:
+            w.wait()
+
+    def zero_grad(self) -> None:
+        for u in self.trainable_units:
+            u.zero_grad()
+            u.optim_param.grad = None
+        self._master_grads_ready = False
+
+    # -- reports ----------------------------------------------------------------------------
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes held on this rank now, by category (model states and comm buffers)."""
+        report = {"parameters": 0, "gradients": 0, "master_weights": 0, "optimizer_state": 0, "communication_buffers": 0}
+        for u in self.units:
+            for k, v in u.bytes_by_category().items():
+                report[k] += v
+        for p in self.untouched.values():
+            report["parameters"] += p.numel() * p.element_size()
+            if p.grad is not None:
+                report["gradients"] += p.grad.numel() * p.grad.element_size()
+        if self.inner_optimizer is not None:
+            report["optimizer_state"] = optimizer_state_bytes(self.inner_optimizer)
+        report["total"] = sum(report.values())
+        return report
+
+    def comm_report(self):
+        """Elements and bytes moved per collective kind since the last reset."""
+        return self.comm.report()
+
+    def reset_comm_report(self) -> None:
+        self.comm.reset()
+
+    # -- state dicts (see state.py) ------------------------------------------------------------
+    def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+        from .state import full_state_dict
+
+        return full_state_dict(self, rank0_only=rank0_only)
+
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> None:
+        from .state import load_full_state_dict
+
+        load_full_state_dict(self, state_dict, strict=strict)
+
+    def state_dict(self) -> dict:
+        from .state import rank_state_dict
+
+        return rank_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from .state import load_rank_state_dict
+
+        load_rank_state_dict(self, state_dict)
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove every hook. Parameters stay as they are (stage 3: sharded)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._closed = True

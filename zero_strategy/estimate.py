@@ -1,0 +1,160 @@
+"""Model-state memory per rank, by the ZeRO paper's formulas (see PAPER.md).
+
+    stage 0 (baseline): (p + g + K) * Psi
+    stage 1 (P_os):      p*Psi + g*Psi + K*Psi/N
+    stage 2 (P_os+g):    p*Psi + (g + K)*Psi/N
+    stage 3 (P_os+g+p):  (p + g + K) * Psi/N
+
+p, g = bytes per parameter and per gradient (2 in fp16/bf16, 4 in fp32); K = optimizer
+bytes per parameter, which in mixed precision includes the fp32 master copy.
+All numbers are exact integers: a rank holds ceil(Psi/N) elements of a partitioned state.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .config import canonical_precision
+
+STAGE_NAMES = ("baseline", "P_os", "P_os+g", "P_os+g+p")
+
+# Optimizer bytes per parameter: (mixed precision, fp32). In mixed precision the 4-byte
+# fp32 master copy lives with the optimizer; in fp32 the parameters are the master.
+_OPTIMIZER_BYTES = {
+    "adam": (12, 8),
+    "adamw": (12, 8),
+    "sgd": (8, 4),  # one fp32 momentum buffer
+    "sgd_nomomentum": (4, 0),
+    "sgd_plain": (4, 0),
+}
+
+OVERHEAD_DESCRIPTIONS = {
+    "padding": "each flat unit is padded to a multiple of N so it splits evenly; a "
+               "unit adds at most N-1 padding elements in all, i.e. (N-1)/N per rank, "
+               "for each partitioned state",
+    "reduce_buckets": "two gradient buckets of reduce_bucket_size elements: one being "
+                      "filled by backward while the other is reduced",
+    "gathered_parameters": "full parameters and gradients of the unit in use "
+                           "(largest_unit) plus the prefetched ones (prefetch_bucket_size)",
+    "persistent_parameters": "small parameters kept whole on every rank instead of 1/N "
+                             "of them (params and grads)",
+}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes of model states held by one rank."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    """Includes the fp32 master copy in mixed precision (K * Psi/N from stage 1 on)."""
+    overheads: dict = field(default_factory=dict)
+    """Term name -> bytes this implementation adds beyond the paper's formula."""
+
+    @property
+    def total(self) -> int:
+        """The paper's formula value."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+    @property
+    def total_with_overheads(self) -> int:
+        return self.total + sum(self.overheads.values())
+
+
+def bytes_per_element(precision: str) -> int:
+    return 4 if canonical_precision(precision) == "fp32" else 2
+
+
+def optimizer_bytes_per_param(optimizer: str, precision: str) -> int:
+    """K in the paper: 12 for mixed-precision Adam, 8 for fp32 Adam, and so on."""
+    key = optimizer.strip().lower().replace("-", "_") if isinstance(optimizer, str) else None
+    if key not in _OPTIMIZER_BYTES:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}; known: adam, adamw, sgd, sgd_nomomentum, sgd-plain"
+        )
+    mixed, fp32 = _OPTIMIZER_BYTES[key]
+    return fp32 if canonical_precision(precision) == "fp32" else mixed
+
+
+def _count(name: str, value, minimum: int) -> int:
+    """A whole number >= minimum; whole floats such as 7.5e9 are accepted."""
+    result = None
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        result = int(value)
+    elif isinstance(value, float) and value.is_integer():  # False for inf and nan
+        result = int(value)
+    if result is None or result < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return result
+
+
+def estimate(
+    num_params,
+    world_size,
+    stage,
+    precision: str = "fp16",
+    optimizer: str = "adam",
+    *,
+    reduce_bucket_size: Optional[int] = None,
+    prefetch_bucket_size: Optional[int] = None,
+    num_units: Optional[int] = None,
+    persistent_params: int = 0,
+    largest_unit: int = 0,
+) -> MemoryEstimate:
+    """Model-state bytes per rank for `stage`, plus optional implementation overheads.
+
+    `total` is the paper's formula. `overheads` holds what this implementation adds
+    beyond the formula; each term is computed only when its argument is given:
+
+    - "padding" (num_units, stages 1-3): each flat unit is padded to a multiple of N,
+      at most N-1 extra elements per unit spread over N ranks, times the bytes of the
+      states the stage partitions (K; g+K; p+g+K).
+    - "reduce_buckets" (reduce_bucket_size, stages 0-2): 2 * reduce_bucket_size * g.
+    - "gathered_parameters" (largest_unit and/or prefetch_bucket_size, stage 3):
+      (largest_unit + prefetch_bucket_size) * (p + g), capped at the whole model.
+    - "persistent_parameters" (persistent_params, stage 3):
+      persistent_params * (p + g) * (1 - 1/N), rounded up.
+    """
+    psi = _count("num_params", num_params, 1)
+    n = _count("world_size", world_size, 1)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    p = g = bytes_per_element(precision)
+    k = optimizer_bytes_per_param(optimizer, precision)
+
+    shard = -(-psi // n)  # ceil(psi / n): elements of a partitioned state on one rank
+    parameters = p * (shard if stage == 3 else psi)
+    gradients = g * (shard if stage >= 2 else psi)
+    optimizer_states = k * (shard if stage >= 1 else psi)
+
+    overheads = {}
+    if num_units is not None and stage >= 1:
+        units = _count("num_units", num_units, 1)
+        partitioned = (k, g + k, p + g + k)[stage - 1]
+        overheads["padding"] = -(-units * (n - 1) * partitioned // n)
+    if reduce_bucket_size is not None and stage <= 2:
+        overheads["reduce_buckets"] = 2 * _count("reduce_bucket_size", reduce_bucket_size, 1) * g
+    largest = _count("largest_unit", largest_unit, 0)
+    prefetch = None if prefetch_bucket_size is None else _count(
+        "prefetch_bucket_size", prefetch_bucket_size, 0)
+    if stage == 3 and (largest or prefetch is not None):
+        # Prefetching cannot hold more than the whole model at once.
+        overheads["gathered_parameters"] = min(largest + (prefetch or 0), psi) * (p + g)
+    persistent = _count("persistent_params", persistent_params, 0)
+    if persistent > psi:
+        raise ValueError(f"persistent_params ({persistent}) cannot exceed num_params ({psi})")
+    if stage == 3 and persistent:
+        overheads["persistent_parameters"] = -(-persistent * (p + g) * (n - 1) // n)
+
+    return MemoryEstimate(parameters, gradients, optimizer_states, overheads)
+
+
+def paper_table(num_params=7.5e9, world_sizes=(1, 4, 16, 64, 256, 1024), precision="fp16"):
+    """Rows of (N, stage-1 GB, stage-2 GB, stage-3 GB) like the paper's Table 1 (GB = 1e9 B)."""
+    return [
+        (n, *(estimate(num_params, n, s, precision).total / 1e9 for s in (1, 2, 3)))
+        for n in world_sizes
+    ]

@@ -1,0 +1,79 @@
+"""Every hook the engine installs, registered in one place and returned as handles.
+
+* Each trainable parameter: a post-accumulate-grad hook feeding its unit's bucket.
+* The root module: a forward pre-hook (input casting, per-step bookkeeping) and a
+  forward hook (stage 3: release whatever a lazy gather left behind).
+* Stage 3 only: pre/post forward hooks on every unit module, and lazy pre-hooks on
+  modules that own partitioned parameters (so calling such a submodule on its own,
+  e.g. ``model.get_input_embeddings()(ids)``, gathers what it needs instead of failing).
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch.utils._pytree import tree_map
+
+
+def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
+    handles = []
+    for unit in engine.units:
+        if not unit.trainable:
+            continue
+        for pos, p in enumerate(unit.params):
+            handles.append(
+                p.register_post_accumulate_grad_hook(lambda _p, u=unit, i=pos: engine._on_param_grad(u, i))
+            )
+
+    root = engine.module
+    handles.append(root.register_forward_pre_hook(lambda m, a, k: engine._on_root_pre_forward(a, k), with_kwargs=True))
+    handles.append(root.register_forward_hook(lambda m, a, o: engine._on_root_post_forward()))
+
+    gatherer = engine.gatherer
+    if gatherer is None:
+        return handles
+    for group in gatherer.groups:
+
+        def pre(module, args, kwargs, g=group):
+            gatherer.pre_forward(g)
+            return gatherer.wrap_inputs_for_post_backward(g, args, kwargs)
+
+        def post(module, args, output, g=group):
+            gatherer.post_forward(g, output)
+
+        handles.append(group.module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(group.module.register_forward_hook(post))
+
+    # Lazy gathering for direct calls to submodules holding partitioned parameters.
+    group_of_param = {}
+    for group in gatherer.groups:
+        for unit in group.units:
+            for p in unit.params:
+                group_of_param[id(p)] = group
+    for module in engine.module.modules():
+        if id(module) in gatherer.by_module:
+            continue
+        groups = {id(group_of_param[id(p)]): group_of_param[id(p)] for p in module.parameters(recurse=False) if id(p) in group_of_param}
+        if not groups:
+            continue
+
+        def lazy(module, args, gs=tuple(groups.values())):
+            for g in gs:
+                if not g.gathered:
+                    gatherer.ensure_gathered(g)
+                else:
+                    g.wait()
+
+        handles.append(module.register_forward_pre_hook(lazy))
+    return handles
+
+
+def cast_floating_inputs(args, kwargs, dtype: torch.dtype):
+    """Mixed precision: floating-point inputs follow the parameters' compute dtype."""
+
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, args), tree_map(cast, kwargs)

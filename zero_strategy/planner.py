@@ -1,0 +1,187 @@
+"""Policy: which parameters form which flat unit.  No buffers, no collectives.
+
+Stages 0-2: trainable parameters of the same (param group, dtype) are cut, in reverse
+registration order (roughly the order backward produces their gradients), into units of
+at most ``reduce_bucket_size`` elements.  Each unit is both the reduction bucket and the
+partitioning granule, so every collective is an equal-size reduce-scatter/all-gather.
+
+Stage 3: units follow modules.  Every instance of the *unit module classes* (``auto`` =
+the repeated module class holding the most parameters, e.g. GPT2Block or
+LlamaDecoderLayer) gathers its own parameters; everything else belongs to the root
+module.  A parameter shared by two unit modules moves to the root so it is gathered
+whenever either runs.  Parameters below ``param_persistence_threshold`` elements stay
+whole on every rank (their units behave like stage-2 units).
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .layout import split_into_buckets
+
+
+@dataclass
+class UnitSpec:
+    params: List[nn.Parameter]
+    names: List[List[str]]
+    group_index: Optional[int]  # None = not optimised (frozen, or no optimizer)
+    module: Optional[nn.Module]  # stage 3: the module whose forward gathers this unit
+    persistent: bool = False
+
+
+@dataclass
+class Plan:
+    units: List[UnitSpec] = field(default_factory=list)
+    # Parameters left untouched (stages 0-2 frozen ones): name -> parameter.
+    untouched: Dict[str, nn.Parameter] = field(default_factory=dict)
+    unit_module_names: List[str] = field(default_factory=list)  # stage 3, for messages
+
+
+def parameter_names(model: nn.Module) -> "OrderedDict[int, Tuple[nn.Parameter, List[str]]]":
+    """id(param) -> (param, every qualified name it has), in registration order."""
+    out: "OrderedDict[int, Tuple[nn.Parameter, List[str]]]" = OrderedDict()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in out:
+            out[id(p)][1].append(name)
+        else:
+            out[id(p)] = (p, [name])
+    return out
+
+
+def group_index_of(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[int, Optional[int]]:
+    """id(param) -> index of the optimizer param group holding it (None: not optimised)."""
+    names = parameter_names(model)
+    where: Dict[int, Optional[int]] = {pid: None for pid in names}
+    if optimizer is None:
+        return where
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in where:
+                raise ValueError(
+                    "the optimizer holds a tensor that is not a parameter of the model "
+                    f"(shape {tuple(p.shape)}, param group {gi}); build the optimizer from model.parameters()"
+                )
+            if where[id(p)] is not None:
+                raise ValueError(f"parameter {names[id(p)][1][0]!r} appears in two optimizer param groups")
+            where[id(p)] = gi
+    for pid, (p, pnames) in names.items():
+        if p.requires_grad and where[pid] is None:
+            raise ValueError(
+                f"parameter {pnames[0]!r} requires grad but is in no optimizer param group: add it to the "
+                "optimizer, or set requires_grad=False to freeze it"
+            )
+        if not p.requires_grad and where[pid] is not None:
+            # Frozen but handed to the optimizer: it would never get a gradient; treat as frozen.
+            where[pid] = None
+    return where
+
+
+def _category_key(p: nn.Parameter, gi: Optional[int]):
+    return (gi if gi is not None else -1, str(p.dtype))
+
+
+def _bucketize(entries, bucket_size: int, module, persistent: bool) -> List[UnitSpec]:
+    """entries: list of (param, names, group_index) in the desired order."""
+    by_cat: "OrderedDict[tuple, list]" = OrderedDict()
+    for e in entries:
+        by_cat.setdefault(_category_key(e[0], e[2]), []).append(e)
+    units = []
+    for cat_entries in by_cat.values():
+        for idxs in split_into_buckets([e[0].numel() for e in cat_entries], bucket_size):
+            chosen = [cat_entries[i] for i in idxs]
+            units.append(
+                UnitSpec(
+                    params=[c[0] for c in chosen],
+                    names=[c[1] for c in chosen],
+                    group_index=chosen[0][2],
+                    module=module,
+                    persistent=persistent,
+                )
+            )
+    return units
+
+
+def plan_replicated_params(model, optimizer, config) -> Plan:
+    """Stages 0-2: bucketed units of trainable parameters; frozen ones untouched."""
+    names = parameter_names(model)
+    gidx = group_index_of(model, optimizer)
+    plan = Plan()
+    entries = []
+    for pid, (p, pnames) in reversed(names.items()):
+        if gidx[pid] is None:
+            plan.untouched[pnames[0]] = p
+        else:
+            entries.append((p, pnames, gidx[pid]))
+    plan.units = _bucketize(entries, config.reduce_bucket_size, None, persistent=False)
+    return plan
+
+
+def find_unit_module_classes(model: nn.Module, requested: Sequence[str]) -> List[str]:
+    """Resolve ``unit_modules``: explicit class names, or ``auto``."""
+    present = Counter(type(m).__name__ for m in model.modules())
+    if tuple(requested) != ("auto",):
+        missing = [c for c in requested if c not in present]
+        if missing:
+            raise ValueError(
+                f"unit_modules names {missing} but the model has no module of that class; "
+                f"module classes present: {sorted(present)}"
+            )
+        return list(requested)
+    # auto: the repeated class (>= 2 instances) holding the most parameters in total.
+    totals: Counter = Counter()
+    for m in model.modules():
+        if m is model:
+            continue
+        if present[type(m).__name__] >= 2:
+            totals[type(m).__name__] += sum(p.numel() for p in m.parameters())
+    if not totals:
+        return []
+    best = max(totals.items(), key=lambda kv: (kv[1], kv[0]))[0]
+    return [best] if totals[best] > 0 else []
+
+
+def plan_partitioned_params(model, optimizer, config) -> Plan:
+    """Stage 3: one gather group per unit module (plus the root)."""
+    names = parameter_names(model)
+    gidx = group_index_of(model, optimizer)
+    classes = set(find_unit_module_classes(model, config.unit_modules))
+    unit_modules = [m for m in model.modules() if type(m).__name__ in classes and m is not model]
+    # Innermost unit module owning each parameter directly or through children.
+    owner: Dict[int, Optional[nn.Module]] = {}
+    for m in unit_modules:  # outer before inner, so inner modules overwrite
+        for p in m.parameters():
+            owner[id(p)] = m
+    # A parameter also used (tied) outside that module goes to the root.
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            o = owner.get(id(p))
+            if o is not None and not _is_within(m, o):
+                owner[id(p)] = None
+    plan = Plan(unit_module_names=sorted(classes))
+    per_module: "OrderedDict[int, list]" = OrderedDict()
+    modules_by_id = {id(model): model}
+    per_module[id(model)] = []
+    for m in unit_modules:
+        modules_by_id[id(m)] = m
+        per_module[id(m)] = []
+    persistent = []
+    for pid, (p, pnames) in names.items():
+        if p.numel() < config.param_persistence_threshold:
+            persistent.append((p, pnames, gidx[pid]))
+            continue
+        mod = owner.get(pid) or model
+        per_module[id(mod)].append((p, pnames, gidx[pid]))
+    for mid, entries in per_module.items():
+        if entries:
+            # One unit per (group, dtype) within a module: no size split, the module is the granule.
+            plan.units += _bucketize(entries, 1 << 62, modules_by_id[mid], persistent=False)
+    plan.units += _bucketize(list(reversed(persistent)), config.reduce_bucket_size, None, persistent=True)
+    return plan
+
+
+def _is_within(module: nn.Module, container: nn.Module) -> bool:
+    return any(module is m for m in container.modules())

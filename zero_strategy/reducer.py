@@ -1,0 +1,88 @@
+"""When gradients are reduced: bucket readiness, fixed launch order, bounded in-flight.
+
+[Note: fixed launch order]
+Units are reduced in one order fixed at construction (reverse registration order, the
+order backward normally finishes them).  A unit whose gradients are complete is
+launched only after every unit before it has been launched; whatever is left when
+backward ends is launched then, in the same order.  So every rank issues the same
+collectives in the same sequence even when a parameter gets no gradient on one rank
+(an unused branch), which is what keeps mismatched collectives from hanging or
+silently mixing buffers.
+
+Reduction happens on synchronised backward passes; inside ``no_sync`` stages 0 and 1
+only accumulate locally, while stages 2 and 3 still reduce every micro-batch (their
+full-size gradient never outlives its bucket).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, List, Tuple
+
+import torch
+
+
+class GradientReducer:
+    def __init__(self, units, comm, *, replicated: bool, overlap: bool, max_in_flight: int) -> None:
+        self.units = list(units)  # trainable units, in launch order
+        self._position = {id(u): i for i, u in enumerate(self.units)}
+        self.comm = comm
+        self.replicated = replicated  # stage 0: all-reduce instead of reduce-scatter
+        self.overlap = overlap
+        self.max_in_flight = max_in_flight
+        self._next = 0  # index of the next unit to launch in this backward
+        self._launched = [False] * len(self.units)
+        self._pending: Deque[Tuple[object, object, torch.Tensor]] = deque()
+        self._in_flight = 0
+        self.reduced_this_backward = False
+
+    def reduces_now(self, unit, synced: bool) -> bool:
+        return synced or unit.shards_gradients
+
+    def on_grad_ready(self, unit, synced: bool) -> None:
+        """A parameter of ``unit`` finished accumulating; launch what is now in order."""
+        if not self.reduces_now(unit, synced) or not self.overlap:
+            return
+        while self._next < len(self.units) and self.units[self._next].complete:
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        unit = self.units[i]
+        self._launched[i] = True
+        self._next = i + 1
+        full = unit.grad_for_reduction(self.comm.world_size)
+        if self.replicated:
+            work = self.comm.all_reduce(full, async_op=True)
+            out = full
+        else:
+            out = unit.reduction_output()
+            work = self.comm.reduce_scatter(out, full, async_op=True)
+        # Keep ``full`` referenced until the collective has finished with it.
+        self._pending.append((unit, work, out, full))
+        self._in_flight += full.numel()
+        while self._in_flight > self.max_in_flight and len(self._pending) > 1:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        unit, work, out, full = self._pending.popleft()
+        work.wait()
+        self._in_flight -= full.numel()
+        unit.finish_reduction(out, replicated=self.replicated)
+
+    def flush(self, synced: bool) -> None:
+        """End of backward: launch the rest in order, then wait for everything."""
+        any_reduced = False
+        for i, unit in enumerate(self.units):
+            if not self._launched[i] and self.reduces_now(unit, synced):
+                self._launch(i)
+            any_reduced = any_reduced or self._launched[i]
+        while self._pending:
+            self._finish_oldest()
+        self._next = 0
+        self._launched = [False] * len(self.units)
+        for u in self.units:
+            u.ready.clear()
+        self.reduced_this_backward = any_reduced
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)

@@ -1,0 +1,145 @@
+"""State dicts: consolidated model weights, and one rank's shard of everything.
+
+Consolidation gathers one unit at a time (memory bounded by the largest unit, not the
+model) and takes trainable values from the fp32 master, so nothing is lost to the
+16-bit compute copy; values are returned in each parameter's original dtype.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+STATE_FORMAT = "zero_strategy.rank_state/1"
+
+
+def _unit_source(unit) -> torch.Tensor:
+    """The most precise copy of this rank's slice: fp32 master if there is one."""
+    return unit.master if unit.master is not None else unit.shard
+
+
+def full_state_dict(engine, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+    comm = engine.comm
+    keep = (comm.rank == 0) or not rank0_only
+    by_id = {}
+    for unit in engine.units:
+        src = _unit_source(unit)
+        if unit.layout.world_size == 1:
+            full = src  # stage 0: every rank holds everything
+        else:
+            full = torch.empty(unit.layout.padded_numel, dtype=src.dtype, device=src.device)
+            comm.all_gather_for_state(full, src.contiguous())
+        if keep:
+            for i, p in enumerate(unit.params):
+                by_id[id(p)] = unit.param_view(full, i).to(device="cpu", dtype=unit.orig_dtypes[i], copy=True)
+        del full
+    if not keep:
+        return {}
+    out: Dict[str, torch.Tensor] = {}
+    orig = engine.orig_dtype_untouched
+    for name, t in engine.module.state_dict(keep_vars=True).items():
+        if id(t) in by_id:
+            out[name] = by_id[id(t)]
+        elif name in engine.untouched:
+            out[name] = t.detach().to(device="cpu", dtype=orig[name], copy=True)
+        else:
+            # Tied names of untouched parameters, and buffers.
+            tied = next((n for n, p in engine.untouched.items() if p is t), None)
+            dtype = orig[tied] if tied is not None else t.dtype
+            out[name] = t.detach().to(device="cpu", dtype=dtype, copy=True)
+    return out
+
+
+def load_full_state_dict(engine, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Every rank passes the same consolidated state dict; each keeps its own slices."""
+    model_sd = engine.module.state_dict(keep_vars=True)
+    if strict:
+        missing = [k for k in model_sd if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in model_sd]
+        if missing or unexpected:
+            raise KeyError(f"load_full_state_dict: missing keys {missing[:10]}, unexpected keys {unexpected[:10]}")
+    done = set()
+    for unit in engine.units:
+        for i, names in enumerate(unit.names):
+            name = next((n for n in names if n in state_dict), None)
+            if name is None:
+                continue
+            value = state_dict[name]
+            if tuple(value.shape) != unit.shapes[i]:
+                raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, the model expects {unit.shapes[i]}")
+            flat = value.reshape(-1)
+            for (ti, t_start, s_start, length) in unit.layout.tensor_slices_in_shard(unit.shard_index):
+                if ti != i:
+                    continue
+                piece = flat[t_start : t_start + length]
+                unit.shard[s_start : s_start + length].copy_(piece)
+                if unit.master is not None:
+                    unit.master[s_start : s_start + length].copy_(piece)
+            if unit.keep_full:
+                unit.param_view(unit.full, i).copy_(value.view(unit.shapes[i]))
+            for n in names:
+                done.add(n)
+    with torch.no_grad():
+        for name, t in model_sd.items():
+            if name in done or name not in state_dict:
+                continue
+            t.copy_(state_dict[name])
+
+
+def rank_state_dict(engine) -> dict:
+    """This rank's shard of everything needed to resume at the same world size and stage."""
+    cfg = engine.config
+    return {
+        "format": STATE_FORMAT,
+        "stage": cfg.stage,
+        "precision": cfg.precision,
+        "world_size": engine.comm.world_size,
+        "rank": engine.comm.rank,
+        "units": [
+            {
+                "names": [n[0] for n in u.names],
+                "numels": list(u.layout.numels),
+                "shard": u.shard.detach().cpu().clone(),
+                "master": None if u.master is None else u.master.detach().cpu().clone(),
+            }
+            for u in engine.units
+        ],
+        "untouched": {n: p.detach().cpu().clone() for n, p in engine.untouched.items()},
+        "buffers": {n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()},
+        "optimizer": None if engine.inner_optimizer is None else engine.inner_optimizer.state_dict(),
+        "loss_scaler": engine.scaler.state_dict(),
+        "step": engine.global_step,
+    }
+
+
+def load_rank_state_dict(engine, sd: dict) -> None:
+    if sd.get("format") != STATE_FORMAT:
+        raise ValueError(f"not a zero_strategy rank state (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
+    ws, stage = engine.comm.world_size, engine.config.stage
+    if sd["world_size"] != ws or sd["stage"] != stage:
+        raise ValueError(
+            f"this rank state was saved at world size {sd['world_size']} / stage {sd['stage']}, "
+            f"but the engine runs at world size {ws} / stage {stage}; load a resharding checkpoint instead"
+        )
+    if len(sd["units"]) != len(engine.units):
+        raise ValueError(f"rank state has {len(sd['units'])} units, the engine has {len(engine.units)}: a different model or config")
+    for u, s in zip(engine.units, sd["units"]):
+        if s["names"] != [n[0] for n in u.names] or s["numels"] != list(u.layout.numels):
+            raise ValueError(f"rank state unit {u.index} holds {s['names'][:3]}..., the engine's holds {[n[0] for n in u.names][:3]}...")
+        u.shard.copy_(s["shard"])
+        if u.master is not None:
+            u.master.copy_(s["master"])
+    with torch.no_grad():
+        for n, p in engine.untouched.items():
+            p.copy_(sd["untouched"][n])
+        buffers = dict(engine.module.named_buffers())
+        for n, b in sd["buffers"].items():
+            if n in buffers:
+                buffers[n].copy_(b)
+    if engine.inner_optimizer is not None and sd["optimizer"] is not None:
+        engine.inner_optimizer.load_state_dict(sd["optimizer"])
+    engine.scaler.load_state_dict(sd["loss_scaler"])
+    engine.global_step = sd["step"]
+    for u in engine.units:
+        if u.keep_full and u.layout.world_size > 1:
+            engine.comm.all_gather(u.full.data, u.shard, async_op=False)
