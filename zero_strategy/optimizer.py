@@ -13,6 +13,7 @@ engine, which handles reduction, loss scaling, clipping and the parameter all-ga
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -28,7 +29,7 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, params_per_group: Dict[i
     for gi, group in enumerate(optimizer.param_groups):
         group["params"] = list(params_per_group.get(gi, []))
     # Some optimizers cache per-param lookups; the state is empty, so a fresh dict is safe.
-    optimizer.state = type(optimizer.state)()
+    optimizer.state = defaultdict(dict)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

@@ -1,0 +1,111 @@
+"""Reference (single process, plain torch) and ZeRO runs of the same training job.
+
+The reference is independent of the engine: plain autograd + torch.optim on one
+process over the whole global batch.  For 16-bit precisions it applies the same casts
+as ZeRO does (compute copy in 16 bits, fp32 master weights, loss scale for fp16), but
+none of the engine's code.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from models import lm_batches, tiny_gpt2, two_group_optimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build(job):
+    model = tiny_gpt2(seed=job.get("seed", 0), n_layer=job.get("n_layer", 2))
+    model.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter
+    opt = two_group_optimizer(model, lr=job.get("lr", 1e-2))
+    return model, opt
+
+
+def reference_run(job):
+    model, _ = build(job)
+    dtype = DTYPES[job["precision"]]
+    ws, accum, steps = job["world_size"], job["accum"], job["steps"]
+    micro = job.get("micro_batch", 2)
+    batches = lm_batches(steps, ws * accum * micro)
+    # fp32 masters keyed like the model; compute copy in the compute dtype.
+    master = {n: p.detach().clone().float() for n, p in model.named_parameters()}
+    compute = copy.deepcopy(model).to(dtype)
+    masters = [torch.nn.Parameter(master[n]) for n, p in model.named_parameters()]
+    by_name = dict(zip([n for n, _ in model.named_parameters()], masters))
+    opt_groups = []
+    ref_opt_template = two_group_optimizer(model, lr=job.get("lr", 1e-2))
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for g in ref_opt_template.param_groups:
+        ng = {k: v for k, v in g.items() if k != "params"}
+        ng["params"] = [by_name[name_of[id(p)]] for p in g["params"]]
+        opt_groups.append(ng)
+    opt = type(ref_opt_template)(opt_groups)
+    scale = float(2 ** job.get("initial_scale_power", 8)) if job["precision"] == "fp16" else 1.0
+    losses = []
+    cparams = dict(compute.named_parameters())
+    for batch in batches:
+        # Split like ZeRO does: micro-batch j of rank r.
+        total = 0.0
+        for p in compute.parameters():
+            p.grad = None
+        chunks = batch.view(ws, accum, micro, -1)
+        for j in range(accum):
+            for r in range(ws):
+                ids = chunks[r, j]
+                loss = compute(input_ids=ids, labels=ids).loss
+                total += float(loss) / (accum * ws)
+                ((loss / accum / ws) * scale).backward()
+        for n, m in by_name.items():
+            g = cparams[n].grad
+            m.grad = None if g is None else g.float() / scale
+            if not cparams[n].requires_grad:
+                m.grad = None
+        if job.get("clip"):
+            torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], job["clip"])
+        opt.step()
+        with torch.no_grad():
+            for n, m in by_name.items():
+                cparams[n].copy_(m)
+        losses.append(total)
+    return losses, {n: m.detach().clone() for n, m in by_name.items()}
+
+
+def zero_run(rank, ws, job):
+    import zero_strategy
+
+    model, opt = build(job)
+    accum, steps = job["accum"], job["steps"]
+    micro = job.get("micro_batch", 2)
+    batches = lm_batches(steps, ws * accum * micro)
+    cfg = dict(stage=job["stage"], precision=job["precision"], reduce_bucket_size=job.get("bucket", 3000),
+               param_persistence_threshold=job.get("persist", 64), initial_scale_power=job.get("initial_scale_power", 8),
+               gradient_clipping=job.get("clip", 0.0))
+    engine = zero_strategy.initialize(model, opt, cfg)
+    losses = []
+    for batch in batches:
+        chunks = batch.view(ws, accum, micro, -1)
+        local = 0.0
+        for j in range(accum):
+            ids = chunks[rank, j]
+            ctx = engine.no_sync() if j < accum - 1 else _null()
+            with ctx:
+                loss = model(input_ids=ids, labels=ids).loss
+                engine.backward(loss / accum)
+            local += float(loss) / accum
+        engine.step()
+        t = torch.tensor([local / ws])
+        dist.all_reduce(t)
+        losses.append(float(t))
+    sd = engine.full_state_dict()
+    return losses, sd
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
