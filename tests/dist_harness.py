@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import os
+import queue as queue_mod
+import time
 import tempfile
 import traceback
 
@@ -46,14 +48,22 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0):
     for p in procs:
         p.start()
     results, errors = {}, []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
-            rank, status, payload = queue.get(timeout=timeout)
+        while len(results) < world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    errors.append(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} without a result")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+                continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if errors else 60)

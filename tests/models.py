@@ -14,14 +14,14 @@ def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32, vocab: int = 96
     return model
 
 
-def two_group_optimizer(model, lr: float = 1e-2, cls=torch.optim.AdamW):
+def two_group_optimizer(model, lr: float = 1e-2, cls=torch.optim.AdamW, **defaults):
     """Decay / no-decay groups as fine-tuning scripts build them."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if not p.requires_grad:
             continue
         (no_decay if (p.ndim < 2 or "ln" in n) else decay).append(p)
-    return cls([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 0.5}], lr=lr)
+    return cls([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": lr * 0.5}], lr=lr, **defaults)
 
 
 def lm_batches(steps: int, global_batch: int, seq: int = 16, vocab: int = 96, seed: int = 1234):

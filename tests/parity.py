@@ -17,10 +17,18 @@ from models import lm_batches, tiny_gpt2, two_group_optimizer
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def make_optimizer(model, job):
+    # AdamW is what fine-tuning uses, but it is blind to a wrong gradient scale;
+    # SGD with momentum is not, so the matrix runs both.
+    if job.get("optim", "adamw") == "sgd":
+        return two_group_optimizer(model, lr=job.get("lr", 0.5), cls=torch.optim.SGD, momentum=0.9)
+    return two_group_optimizer(model, lr=job.get("lr", 1e-2))
+
+
 def build(job):
     model = tiny_gpt2(seed=job.get("seed", 0), n_layer=job.get("n_layer", 2))
     model.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter
-    opt = two_group_optimizer(model, lr=job.get("lr", 1e-2))
+    opt = make_optimizer(model, job)
     return model, opt
 
 
@@ -36,13 +44,13 @@ def reference_run(job):
     masters = [torch.nn.Parameter(master[n]) for n, p in model.named_parameters()]
     by_name = dict(zip([n for n, _ in model.named_parameters()], masters))
     opt_groups = []
-    ref_opt_template = two_group_optimizer(model, lr=job.get("lr", 1e-2))
+    ref_opt_template = make_optimizer(model, job)
     name_of = {id(p): n for n, p in model.named_parameters()}
     for g in ref_opt_template.param_groups:
         ng = {k: v for k, v in g.items() if k != "params"}
         ng["params"] = [by_name[name_of[id(p)]] for p in g["params"]]
         opt_groups.append(ng)
-    opt = type(ref_opt_template)(opt_groups)
+    opt = type(ref_opt_template)(opt_groups)  # every hyperparameter is in the group dicts
     scale = float(2 ** job.get("initial_scale_power", 8)) if job["precision"] == "fp16" else 1.0
     losses = []
     cparams = dict(compute.named_parameters())

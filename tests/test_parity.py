@@ -11,7 +11,10 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # fp32: reduction order is the only difference.  16-bit: the reference applies the same
 # casts, but sums gradients in a different order in 16 bits, which Adam amplifies.
 LOSS_TOL = {"fp32": 1e-5, "bf16": 3e-3, "fp16": 3e-3}
-UPDATE_TOL = {"fp32": 1e-3, "bf16": 1e-1, "fp16": 1e-1}
+# Relative error of the total weight update after 3 steps (measured: fp32 ~1e-5;
+# 16-bit SGD ~6e-3, 16-bit AdamW ~6e-2 since Adam normalises tiny, noisy gradients).
+UPDATE_TOL = {("fp32", "adamw"): 1e-3, ("fp32", "sgd"): 1e-3, ("bf16", "sgd"): 3e-2, ("fp16", "sgd"): 3e-2,
+              ("bf16", "adamw"): 2e-1, ("fp16", "adamw"): 2e-1}
 
 
 def _worker(rank, ws, jobs):
@@ -22,7 +25,13 @@ def _worker(rank, ws, jobs):
 
 
 def _jobs(ws):
-    return [dict(stage=s, precision=p, world_size=ws, accum=a, steps=3) for s in STAGES for p in PRECISIONS for a in (1, 2)]
+    return [
+        dict(stage=s, precision=p, world_size=ws, accum=a, steps=3, optim=o)
+        for s in STAGES
+        for p in PRECISIONS
+        for a in (1, 2)
+        for o in ("adamw", "sgd")
+    ]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3-uneven-padding"])
@@ -46,10 +55,10 @@ def test_losses_and_weights_match_single_process_reference(zero_results):
     failures = []
     for job, (losses, sd) in zero_results:
         ref_losses, ref_params = reference_run(job)
-        tag = f"stage={job['stage']} {job['precision']} ws={job['world_size']} accum={job['accum']}"
+        tag = f"stage={job['stage']} {job['precision']} ws={job['world_size']} accum={job['accum']} {job['optim']}"
         loss_err = max(abs(a - b) for a, b in zip(losses, ref_losses))
         upd_err = _relative_update_error(job, sd, ref_params)
-        if loss_err > LOSS_TOL[job["precision"]] or upd_err > UPDATE_TOL[job["precision"]]:
+        if loss_err > LOSS_TOL[job["precision"]] or upd_err > UPDATE_TOL[job["precision"], job["optim"]]:
             failures.append(f"{tag}: loss err {loss_err:.2e}, relative update err {upd_err:.2e}")
     assert not failures, "\n".join(failures)
 
