@@ -106,10 +106,22 @@ def rank_state_dict(engine) -> dict:
         ],
         "untouched": {n: p.detach().cpu().clone() for n, p in engine.untouched.items()},
         "buffers": {n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()},
-        "optimizer": None if engine.inner_optimizer is None else engine.inner_optimizer.state_dict(),
+        "optimizer": None if engine.inner_optimizer is None else _snapshot(engine.inner_optimizer.state_dict()),
         "loss_scaler": engine.scaler.state_dict(),
         "step": engine.global_step,
     }
+
+
+def _snapshot(obj):
+    """Deep copy with tensors cloned to CPU: torch's optimizer.state_dict() returns the
+    live state tensors, which the next step would overwrite in place."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    return obj
 
 
 def load_rank_state_dict(engine, sd: dict) -> None:
@@ -137,9 +149,23 @@ def load_rank_state_dict(engine, sd: dict) -> None:
             if n in buffers:
                 buffers[n].copy_(b)
     if engine.inner_optimizer is not None and sd["optimizer"] is not None:
-        engine.inner_optimizer.load_state_dict(sd["optimizer"])
+        _load_optimizer_keeping_group_dicts(engine.inner_optimizer, sd["optimizer"])
     engine.scaler.load_state_dict(sd["loss_scaler"])
     engine.global_step = sd["step"]
     for u in engine.units:
         if u.keep_full and u.layout.world_size > 1:
             engine.comm.all_gather(u.full.data, u.shard, async_op=False)
+
+
+def _load_optimizer_keeping_group_dicts(optimizer, sd: dict) -> None:
+    """``Optimizer.load_state_dict`` replaces the param-group dicts with new ones, which
+    would cut LR schedulers (and ZeroOptimizer) off from the live hyperparameters.
+    Load, then copy the loaded values back into the original dicts."""
+    groups = optimizer.param_groups
+    originals = [dict(g) for g in groups]
+    optimizer.load_state_dict(sd)
+    loaded = optimizer.param_groups
+    for old, new, orig in zip(groups, loaded, originals):
+        old.update({k: v for k, v in new.items() if k != "params"})
+        old["params"] = orig["params"]
+    optimizer.param_groups = groups
