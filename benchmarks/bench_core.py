@@ -362,9 +362,13 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     per_rank = spawn(args)
     table = summarize(args, per_rank)
-    table += f"\n_total wall time {time.perf_counter() - t0:.0f}s_\n"
+    # The load average tells a reader whether other processes shared the cores (and so
+    # how far to trust the step times); this run itself adds about world_size.
+    table += (f"\n_total wall time {time.perf_counter() - t0:.0f}s; 1-min load average "
+              f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)_\n")
     sys.stdout.write(table)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
