@@ -18,12 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, store_path, fn, args, queue):
+def _worker(rank, world_size, store_path, fn, args, queue, backend="gloo"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # Serialise to bytes: tensors sent through a torch queue share memory with a
         # process that is about to exit.
@@ -37,14 +39,14 @@ def _worker(rank, world_size, store_path, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600.0):
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo"):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="zs_store_")
     os.close(fd)
     os.unlink(store_path)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
