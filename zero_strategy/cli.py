@@ -78,10 +78,16 @@ def _add_estimate_args(parser: argparse.ArgumentParser) -> None:
 
 def _run_estimate(args: argparse.Namespace) -> int:
     sizes = _world_sizes(args.world_size)
+    # Unless told otherwise, show the overheads of the default configuration: bucket
+    # sizes from ZeroConfig, and units of one reduce bucket each.
+    from .config import ZeroConfig
+
+    defaults = ZeroConfig()
+    bucket = args.reduce_bucket_size or defaults.reduce_bucket_size
     overhead_args = dict(
-        reduce_bucket_size=args.reduce_bucket_size,
-        prefetch_bucket_size=args.prefetch_bucket_size,
-        num_units=args.num_units,
+        reduce_bucket_size=bucket,
+        prefetch_bucket_size=args.prefetch_bucket_size if args.prefetch_bucket_size is not None else defaults.prefetch_bucket_size,
+        num_units=args.num_units or max(1, -(-args.params // bucket)),
         persistent_params=args.persistent_params or 0,
         largest_unit=args.largest_unit or 0,
     )

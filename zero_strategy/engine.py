@@ -245,6 +245,18 @@ class ZeroEngine:
                 g.mul_(coef)
         return total
 
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (after fp16
+        unscaling).  Element-wise, so each rank clamps its own shard."""
+        self._check_open()
+        if self.optimizer is None:
+            raise RuntimeError("clip_grad_value_ needs an optimizer: initialize was called with optimizer=None")
+        if self._prepare_master_grads():
+            return
+        for u in self.trainable_units:
+            if u.optim_param.grad is not None:
+                u.optim_param.grad.clamp_(-float(clip_value), float(clip_value))
+
     def _reduce_norm(self, local: torch.Tensor, op: str) -> torch.Tensor:
         # Stage 0 holds the whole (replicated) gradient on every rank: nothing to combine.
         if self.config.stage == 0:
