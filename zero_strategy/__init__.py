@@ -12,6 +12,7 @@ from typing import Optional
 from .config import ZeroConfig
 from .estimate import MemoryEstimate, estimate
 from .engine import ZeroEngine
+from .checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
 
 __version__ = "0.1.0"
 
@@ -26,4 +27,14 @@ def initialize(model, optimizer=None, config=None, process_group=None) -> ZeroEn
     return ZeroEngine(model, optimizer, config, process_group=process_group)
 
 
-__all__ = ["ZeroConfig", "ZeroEngine", "initialize", "estimate", "MemoryEstimate", "__version__"]
+__all__ = [
+    "ZeroConfig",
+    "ZeroEngine",
+    "initialize",
+    "estimate",
+    "MemoryEstimate",
+    "CheckpointError",
+    "consolidate",
+    "load_consolidated_state_dict",
+    "__version__",
+]

@@ -7,6 +7,7 @@ once: an independent check of ``memory_report`` used by the tests and benchmarks
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Optional
 
 import torch
@@ -28,7 +29,11 @@ def live_tensor_bytes(device: Optional[str] = None) -> int:
     """Bytes of every distinct tensor storage reachable by the garbage collector."""
     gc.collect()
     seen, total = set(), 0
-    for obj in gc.get_objects():
+    with warnings.catch_warnings():
+        # isinstance() on every live object touches deprecated torch attributes.
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
         try:
             if not isinstance(obj, torch.Tensor):
                 continue

@@ -126,13 +126,39 @@ def _print_overheads(results: list) -> None:
                 print(f"    stage {stage}: {_gb(r.overheads[term])}")
 
 
+# -- consolidate ---------------------------------------------------------------------
+
+
+def _add_consolidate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_dir", help="a directory written by engine.save_checkpoint")
+    parser.add_argument("output_dir", help="where model.safetensors (or shards + index) and config.json go")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="cast every floating tensor (default: each tensor's original dtype)")
+    parser.add_argument("--max-shard-size", type=parse_count, default=2 * 1024**3,
+                        help="bytes per output file before splitting (default 2 GiB)")
+
+
+def _run_consolidate(args: argparse.Namespace) -> int:
+    from .checkpoint import CheckpointError, consolidate
+
+    try:
+        files = consolidate(args.checkpoint_dir, args.output_dir, dtype=args.dtype, max_shard_bytes=args.max_shard_size)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for f in files:
+        print(f)
+    return 0
+
+
 # -- dispatch ------------------------------------------------------------------------
 
 # name -> (help text, add-arguments function, run function returning an exit code)
 SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
     "estimate": ("model-state memory per rank for ZeRO stages 0-3",
                  _add_estimate_args, _run_estimate),
-    # "consolidate": (..., _add_consolidate_args, _run_consolidate),  -- to be added
+    "consolidate": ("write ordinary safetensors weights from a sharded checkpoint directory",
+                    lambda p: _add_consolidate_args(p), lambda a: _run_consolidate(a)),
 }
 
 

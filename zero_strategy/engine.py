@@ -355,6 +355,20 @@ class ZeroEngine:
 
         load_rank_state_dict(self, state_dict)
 
+    # -- checkpoints (see checkpoint.py) ---------------------------------------------------------
+    def save_checkpoint(self, directory, client_state: Optional[dict] = None):
+        """Collective: write a sharded checkpoint directory atomically."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory, client_state=client_state)
+
+    def load_checkpoint(self, directory, *, allow_reshard: bool = True) -> Optional[dict]:
+        """Collective: restore from a checkpoint saved at any world size and stage;
+        returns the saved ``client_state``."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, allow_reshard=allow_reshard)
+
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
         """Remove every hook. Parameters stay as they are (stage 3: sharded)."""
