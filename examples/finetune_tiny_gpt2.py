@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
 
 import zero_strategy
 
@@ -39,7 +40,7 @@ def parse_args():
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
     parser.add_argument("--clip", type=float, default=0.0, help="max global gradient norm (0 = off)")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 10)")
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--save", metavar="DIR", default=None,
@@ -65,10 +66,10 @@ def setup_distributed():
 
 
 def make_dataset(num_sequences: int, seed: int) -> TensorDataset:
-    """Arithmetic progressions mod VOCAB: t_i = (a + i * d) % VOCAB, d in 1..8."""
+    """Arithmetic progressions mod VOCAB: t_i = (a + i * d) % VOCAB, d in 1..4."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, VOCAB, (num_sequences, 1), generator=g)
-    stride = torch.randint(1, 9, (num_sequences, 1), generator=g)
+    stride = torch.randint(1, 5, (num_sequences, 1), generator=g)
     positions = torch.arange(SEQ_LEN).unsqueeze(0)
     tokens = (start + positions * stride) % VOCAB
     return TensorDataset(tokens)
@@ -88,16 +89,21 @@ def fmt_mb(num_bytes: int) -> str:
 
 def main() -> None:
     args = parse_args()
+    hf_logging.disable_progress_bar()
     rank, world_size, device = setup_distributed()
     is_main = rank == 0
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # The model is tiny: more intra-op threads cost more in synchronisation than
+        # they save (torchrun already sets OMP_NUM_THREADS=1 per process).
+        torch.set_num_threads(1)
 
     # -- model and optimizer, built exactly as without ZeRO -----------------------------
     config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=128, n_layer=4, n_head=4,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
     model = GPT2LMHeadModel(config).to(device)
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name does not tell transformers its loss
     num_params = sum(p.numel() for p in model.parameters())  # tied wte/lm_head counted once
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
 
@@ -191,6 +197,7 @@ def main() -> None:
         if is_main:
             model.save_pretrained(args.save, state_dict=sd)
             reloaded = GPT2LMHeadModel.from_pretrained(args.save).to(device).eval()
+            reloaded.loss_type = "ForCausalLM"
             with torch.no_grad():
                 reloaded_loss = reloaded(input_ids=probe, labels=probe).loss.item()
             print(f"\nsaved to {args.save}: {sorted(os.listdir(args.save))}")
@@ -199,42 +206,60 @@ def main() -> None:
 
     engine.close()
     if dist.is_initialized():
+        # Let every rank finish its last collective before the group goes away: without
+        # this barrier the gloo backend can abort at interpreter exit.
+        dist.barrier()
         dist.destroy_process_group()
 
 
 def report_memory(engine, num_params: int, world_size: int, args) -> None:
     """What this rank holds now, next to the paper's formula for the same Ψ."""
-    measured = engine.memory_report()
+    got = engine.memory_report()
     est = zero_strategy.estimate(num_params, world_size, args.stage, args.precision, "adamw",
                                  num_units=len(engine.units))
+    # The paper's K (optimizer bytes per parameter) includes the fp32 master copy in
+    # mixed precision; memory_report lists the master separately.
+    optimizer_total = got["master_weights"] + got["optimizer_state"]
+    rows = [
+        ("parameters", fmt_mb(got["parameters"]), fmt_mb(est.parameters)),
+        ("gradients", fmt_mb(got["gradients"]), fmt_mb(est.gradients)),
+        ("optimizer states", fmt_mb(optimizer_total), fmt_mb(est.optimizer_states)),
+        ("  of which master_weights", fmt_mb(got["master_weights"]), ""),
+        ("  of which optimizer_state", fmt_mb(got["optimizer_state"]), ""),
+        ("communication_buffers", fmt_mb(got["communication_buffers"]), ""),
+        ("total", fmt_mb(got["total"]), fmt_mb(est.total)),
+    ]
     print(f"\nmemory on rank 0 (Ψ = {num_params:,}, N = {world_size}, stage {args.stage}, "
           f"{args.precision}, AdamW)")
-    print(f"  {'category':24s} {'memory_report':>14s}   {'estimate (paper formula)':>26s}")
-    print(f"  {'parameters':24s} {fmt_mb(measured['parameters'])}   {fmt_mb(est.parameters):>26s}")
-    print(f"  {'gradients':24s} {fmt_mb(measured['gradients'])}   {fmt_mb(est.gradients):>26s}")
-    print(f"  {'master_weights':24s} {fmt_mb(measured['master_weights'])}   "
-          f"{'(in optimizer states)' if args.precision != 'fp32' else '(none in fp32)':>26s}")
-    print(f"  {'optimizer_state':24s} {fmt_mb(measured['optimizer_state'])}   {fmt_mb(est.optimizer_states):>26s}")
-    print(f"  {'communication_buffers':24s} {fmt_mb(measured['communication_buffers'])}   {'':>26s}")
-    print(f"  {'total':24s} {fmt_mb(measured['total'])}   {fmt_mb(est.total):>26s}"
-          f"  (+ padding {est.overheads.get('padding', 0):,} B)")
+    print(f"  {'category':28s} {'memory_report':>13s}  {'estimate':>13s}")
+    for name, measured, formula in rows:
+        print(f"  {name:28s} {measured:>13s}  {formula:>13s}")
+    if est.overheads.get("padding"):
+        print(f"  (estimate's padding overhead for {len(engine.units)} flat unit(s): "
+              f"{est.overheads['padding']:,} B)")
 
 
 def report_comm(comm, num_params: int, args) -> None:
     """The last optimizer step's traffic, counted as the paper does (all-reduce = 2x)."""
     paper = 3 if args.stage == 3 else 2
-    print(f"\ncommunication in one optimizer step (elements per rank, paper accounting):")
+    print("\ncommunication in one optimizer step (elements per rank, paper accounting):")
     for kind, tally in sorted(comm.kinds.items()):
         print(f"  {kind:16s} {tally.calls:4d} calls  {tally.elements:>12,} elements")
     volume = comm.paper_volume
     print(f"  paper_volume     {volume:,} = {volume / num_params:.2f} Ψ   "
-          f"(paper: {paper}Ψ = {paper * num_params:,} per step{' without accumulation' if args.accum > 1 else ''})")
-    if args.accum > 1 and args.stage >= 2:
-        print(f"  note: stages 2/3 reduce every micro-batch, so --accum {args.accum} adds "
-              f"{'a reduce-scatter' if args.stage == 2 else 'gathers and a reduce-scatter'} per extra micro-batch")
+          f"(paper: {paper}Ψ = {paper * num_params:,} per step)")
+    if args.accum > 1 and args.stage == 2:
+        print(f"  stage 2 reduce-scatters every micro-batch: with --accum {args.accum} expect "
+              f"{args.accum + 1}Ψ ({args.accum} reduce-scatters + 1 all-gather)")
+    elif args.accum > 1 and args.stage == 3:
+        print(f"  stage 3 gathers and reduce-scatters every micro-batch: with --accum {args.accum} "
+              f"expect about {3 * args.accum}Ψ")
+    elif args.accum > 1:
+        print(f"  stages 0/1 communicate only on the last of the {args.accum} micro-batches (no_sync)")
     if args.stage == 3:
-        print("  note: parameters below param_persistence_threshold stay whole and move 2x, not 3x")
-    print("  padding: each flat unit is padded to a multiple of N, so counts are slightly above Ψ")
+        print("  parameters below param_persistence_threshold stay whole and move 2x, not 3x")
+    if args.stage >= 1 and comm["all_gather"].elements > 0:
+        print("  flat units are padded to a multiple of N, so counts can be slightly above Ψ")
 
 
 if __name__ == "__main__":

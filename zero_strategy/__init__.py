@@ -12,19 +12,25 @@ from typing import Optional
 from .config import ZeroConfig
 from .estimate import MemoryEstimate, estimate
 from .engine import ZeroEngine
+from .materialize import init_context
 from .checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
 
 __version__ = "0.1.0"
 
 
-def initialize(model, optimizer=None, config=None, process_group=None) -> ZeroEngine:
+def initialize(model, optimizer=None, config=None, process_group=None, *, device=None, pretrained=None) -> ZeroEngine:
     """Shard ``model`` in place and re-point ``optimizer`` at this rank's shards.
 
     ``model`` stays the same object of the same class; run it as before.  ``config`` is
     a :class:`ZeroConfig`, a dict of its fields, or a path to a json/yaml file.
     ``process_group`` defaults to the initialised default group (or a single process
-    when torch.distributed is not initialised)."""
-    return ZeroEngine(model, optimizer, config, process_group=process_group)
+    when torch.distributed is not initialised).
+
+    A model built inside :func:`init_context` has no parameter memory yet: it is
+    materialised here directly into shards on ``device`` (default: the current CUDA
+    device, else CPU), initialised module by module, or read slice by slice from
+    ``pretrained`` (safetensors file or directory) when given."""
+    return ZeroEngine(model, optimizer, config, process_group=process_group, device=device, pretrained=pretrained)
 
 
 __all__ = [
@@ -33,6 +39,7 @@ __all__ = [
     "initialize",
     "estimate",
     "MemoryEstimate",
+    "init_context",
     "CheckpointError",
     "consolidate",
     "load_consolidated_state_dict",

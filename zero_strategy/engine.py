@@ -28,6 +28,7 @@ from .config import ZeroConfig
 from .flat_unit import FlatUnit
 from .gather import ModuleGroup, ParameterGatherer
 from .hooks import cast_floating_inputs, register_hooks
+from .materialize import initialize_deferred, load_pretrained, meta_parameter_ids
 from .optimizer import ZeroOptimizer, repoint_optimizer
 from .planner import plan_partitioned_params, plan_replicated_params
 from .precision import LossScaler
@@ -35,10 +36,30 @@ from .precision import LossScaler
 STATE_FORMAT = "zero_strategy.rank_state/1"
 
 
+def _materialization_device(device, comm) -> torch.device:
+    """Where deferred (meta) parameters are materialised: the given device; meta again on
+    the fake process group (planning dry runs); else the current accelerator or CPU."""
+    if device is not None:
+        return torch.device(device)
+    if comm.group is not None and torch.distributed.get_backend(comm.group) == "fake":
+        return torch.device("meta")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class ZeroEngine:
     """Owns the units, the reducer, the gatherer and the loss scaler for one model."""
 
-    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], config, process_group=None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optional[torch.optim.Optimizer],
+        config,
+        process_group=None,
+        device=None,
+        pretrained=None,
+    ) -> None:
         self.config = ZeroConfig.coerce(config)
         self.module = model
         self.comm = Communicator(process_group)
@@ -52,11 +73,17 @@ class ZeroEngine:
         cfg = self.config
         compute_dtype = cfg.param_dtype
 
+        # Parameters built inside init_context() live on the meta device until the
+        # units below are filled (materialize.py); decide where they will live.
+        pending = meta_parameter_ids(model)
+        self.device = _materialization_device(device, self.comm) if pending else None
+        self.orig_dtype_by_id = {id(p): p.dtype for p in model.parameters()}
+
         plan = (plan_partitioned_params if cfg.shards_parameters else plan_replicated_params)(model, optimizer, cfg)
         self.untouched = plan.untouched
         self.orig_dtype_untouched = {n: p.dtype for n, p in plan.untouched.items()}
         for p in plan.untouched.values():
-            if p.is_floating_point() and p.dtype != compute_dtype:
+            if p.is_floating_point() and p.dtype != compute_dtype and id(p) not in pending:
                 p.data = p.data.to(compute_dtype)
 
         self.units: List[FlatUnit] = []
@@ -75,6 +102,7 @@ class ZeroEngine:
                     reduce_dtype=cfg.grad_reduce_dtype,
                     keep_master=cfg.is_mixed_precision,
                     shards_gradients=cfg.shards_gradients,
+                    device=self.device,
                 )
             )
         self.trainable_units = [u for u in self.units if u.trainable]
@@ -115,6 +143,14 @@ class ZeroEngine:
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
 
         self._handles = register_hooks(self)
+
+        if pending and self.device.type != "meta":
+            if pretrained is not None:
+                load_pretrained(self, pretrained, pending)
+            else:
+                initialize_deferred(self, pending)
+        elif pretrained is not None:
+            load_pretrained(self, pretrained)
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:
@@ -354,6 +390,11 @@ class ZeroEngine:
         from .state import load_rank_state_dict
 
         load_rank_state_dict(self, state_dict)
+
+    def load_pretrained(self, path) -> Dict[str, list]:
+        """Load safetensors weights (a file, or a directory with an index) into the
+        shards; each rank reads only what it keeps.  Returns missing/unexpected keys."""
+        return load_pretrained(self, path)
 
     # -- checkpoints (see checkpoint.py) ---------------------------------------------------------
     def save_checkpoint(self, directory, client_state: Optional[dict] = None):

@@ -37,6 +37,16 @@ import torch.nn as nn
 from .layout import FlatLayout
 
 
+def set_parameter_data(p: nn.Parameter, data: torch.Tensor) -> None:
+    """``p.data = data``, also across device types (a meta parameter materialised on a
+    real device), keeping the Parameter object itself: optimizers, tied modules and
+    user references still point at it."""
+    if p.device.type == data.device.type:
+        p.data = data
+    else:
+        torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+
+
 class DataState(enum.Enum):
     SHARDED = "sharded"  # only this rank's shard exists
     GATHERING = "gathering"  # an all-gather into ``full`` is in flight
@@ -61,6 +71,7 @@ class FlatUnit:
         reduce_dtype: torch.dtype,
         keep_master: bool,
         shards_gradients: bool,
+        device: Optional[torch.device] = None,
     ) -> None:
         self.index = index
         self.params = list(params)
@@ -76,30 +87,45 @@ class FlatUnit:
         # Stage 0 replicates: the layout has one "shard" that is everything.
         self.layout = FlatLayout(tuple(p.numel() for p in self.params), world_size if partition else 1)
         self.shard_index = rank if partition else 0
-        self.device = self.params[0].device
+        self.device = torch.device(device) if device is not None else self.params[0].device
         lo, hi = self.layout.shard_range(self.shard_index)
         self._lo, self._hi = lo, hi
-
-        # Build the padded flat parameter from the current values (which may be fp32
-        # originals: the master copy is taken from them before casting down).
-        full_hp = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=self.device)
-        for p, off in zip(self.params, self.layout.offsets):
-            if p.device.type != "meta":
-                full_hp[off : off + p.numel()].copy_(p.detach().reshape(-1))
         self.master: Optional[torch.Tensor] = None
-        if self.trainable and keep_master:
-            self.master = full_hp[lo:hi].detach().to(torch.float32, copy=True)
-        self.full = full_hp.to(compute_dtype) if full_hp.dtype != compute_dtype else full_hp
-        del full_hp
-        if keep_full:
-            self.shard = self.full[lo:hi]
-        else:
-            self.shard = self.full[lo:hi].clone()
-        self._point_params_at_full()
-        self.state = DataState.GATHERED
         self._gather_work = None
-        if not keep_full:
-            self.release()
+        # Parameters built on the meta device (see materialize.py) get their buffers
+        # here without values; ``write_param_values`` fills them one tensor at a time,
+        # so the whole unit never exists at once.
+        deferred = self.params[0].device.type == "meta" and self.device.type != "meta"
+        if deferred:
+            if keep_full:
+                self.full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=self.device)
+                self.shard = self.full[lo:hi]
+            else:
+                self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=self.device)
+                self.shard = torch.zeros(self.layout.shard_numel, dtype=compute_dtype, device=self.device)
+            if self.trainable and keep_master:
+                self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+            self._point_params_at_full()
+            self.state = DataState.GATHERED
+            if not keep_full:
+                self.full.untyped_storage().resize_(0)
+                self.state = DataState.SHARDED
+        else:
+            # Build the padded flat parameter from the current values (which may be fp32
+            # originals: the master copy is taken from them before casting down).
+            full_hp = torch.zeros(self.layout.padded_numel, dtype=self.params[0].dtype, device=self.device)
+            for p, off in zip(self.params, self.layout.offsets):
+                if p.device.type != "meta":
+                    full_hp[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            if self.trainable and keep_master:
+                self.master = full_hp[lo:hi].detach().to(torch.float32, copy=True)
+            self.full = full_hp.to(compute_dtype) if full_hp.dtype != compute_dtype else full_hp
+            del full_hp
+            self.shard = self.full[lo:hi] if keep_full else self.full[lo:hi].clone()
+            self._point_params_at_full()
+            self.state = DataState.GATHERED
+            if not keep_full:
+                self.release()
 
         # The tensor the optimizer updates: the fp32 master, or the shard itself in fp32.
         self.optim_param: Optional[nn.Parameter] = None
@@ -128,7 +154,33 @@ class FlatUnit:
     def _point_params_at_full(self) -> None:
         for p, off, shape in zip(self.params, self.layout.offsets, self.shapes):
             n = p.numel()
-            p.data = self.full[off : off + n].view(shape)
+            set_parameter_data(p, self.full[off : off + n].view(shape))
+
+    def write_param_values(self, i: int, values: torch.Tensor, start: int = 0) -> None:
+        """Store elements ``[start, start + len(values))`` of parameter ``i`` (flattened)
+        wherever this rank keeps them: the full buffer (if kept), its shard, its master."""
+        off = self.layout.offsets[i] + start
+        end = off + values.numel()
+        values = values.reshape(-1)
+        if self.keep_full:
+            self.full[off:end].copy_(values)
+        a, b = max(self._lo, off), min(self._hi, end)
+        if a >= b:
+            return
+        piece = values[a - off : b - off]
+        if not self.keep_full:
+            self.shard[a - self._lo : b - self._lo].copy_(piece)
+        if self.master is not None:
+            self.master[a - self._lo : b - self._lo].copy_(piece)
+
+    def owned_range_of_param(self, i: int):
+        """``(start, end)`` within parameter ``i`` (flattened) that this rank must hold,
+        or None: the whole tensor for kept-full units, else the overlap with the shard."""
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        if self.keep_full:
+            return (0, n)
+        a, b = max(self._lo, off), min(self._hi, off + n)
+        return (a - off, b - off) if a < b else None
 
     def param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         off, n = self.layout.offsets[i], self.layout.numels[i]

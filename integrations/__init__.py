@@ -1,0 +1,1 @@
+"""Framework adapters for zero_strategy (Lightning, Accelerate). No sharding logic lives here."""

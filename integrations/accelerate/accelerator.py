@@ -1,0 +1,365 @@
+"""ZeroAccelerator: ``accelerate.Accelerator`` with the model and optimizer handed to a ZeroEngine.
+
+A worker launched with a ``zero_config:`` section gets this class wherever a script
+(or the transformers Trainer) says ``Accelerator``.  It changes only what ZeRO must
+own and passes everything else (data loaders, schedulers, gather, logging, RNG
+state, ...) to Accelerate unchanged:
+
+============================  ==========================================================
+Accelerator method            with zero_config
+============================  ==========================================================
+``prepare``                   a model and the optimizer over its parameters become one
+                              :class:`~zero_strategy.ZeroEngine` (the model is sharded
+                              in place and returned as the same object, not wrapped in
+                              DDP); the optimizer comes back as an AcceleratedOptimizer
+                              over the engine's ``ZeroOptimizer``
+``backward``                  ``engine.backward`` (loss scale for fp16), after the usual
+                              division by ``gradient_accumulation_steps``
+``no_sync`` / ``accumulate``  ``engine.no_sync()`` on non-boundary micro-batches
+``clip_grad_norm_``           ``engine.clip_grad_norm_``: the global norm over all shards
+``clip_grad_value_``          ``engine.clip_grad_value_``
+``optimizer.step`` /          ``engine.step`` / ``engine.zero_grad`` on boundary steps;
+``zero_grad``                 ``optimizer_step_was_skipped`` is the engine's fp16 skip
+``get_state_dict`` /          consolidated full weights on the main process (collective)
+``save_model``
+``save_state`` /              Accelerate's files, plus ``zero_checkpoint/`` with every
+``load_state``                rank's shard of the model states
+``unwrap_model``              the user's model object (nothing wraps it)
+============================  ==========================================================
+
+Mixed precision is the engine's: 16-bit parameters with fp32 masters and inputs cast
+at the model's root, so this Accelerator neither autocasts nor uses a GradScaler.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import warnings
+from typing import List, Optional
+
+import torch
+from accelerate.accelerator import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import extract_model_from_parallel
+
+from . import settings as _settings
+from . import state as _state
+
+
+class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
+    """What ``prepare`` returns for the ZeRO-managed optimizer.
+
+    Accelerate's wrapper (step / zero_grad only on gradient-sync steps) around the
+    engine's ``ZeroOptimizer``; built without Accelerate's state-dict round trip, which
+    has no meaning for a sharded optimizer."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine.optimizer, device_placement=False, scaler=None)
+        self.engine = engine
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(self.engine.last_step_skipped)
+
+
+class ZeroAccelerator(Accelerator):
+    """``Accelerator`` whose training model and optimizer run on a ZeroEngine.
+
+    ``zero_config`` is the section's mapping (the keys of ``zero_config:`` in an
+    accelerate config file); without it the section exported by the launcher
+    (:data:`~integrations.accelerate.settings.ENV_VAR`) is used, else the defaults.
+    """
+
+    def __init__(self, *args, zero_config=None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if zero_config is not None:
+            self.zero_settings = _settings.parse_section(zero_config)
+        else:
+            self.zero_settings = _settings.from_environment() or _settings.parse_section({})
+        _settings.check_distributed_type(self.distributed_type)
+        self.zero_config = self.zero_settings.zero_config(self.state.mixed_precision)
+        # The engine casts parameters and inputs itself: no autocast, no GradScaler.
+        self.native_amp = False
+        self.scaler = None
+        self._zero_engine = None
+        self._zero_wrapper: Optional[ZeroAcceleratedOptimizer] = None
+        self._zero_pending: List[torch.nn.Module] = []  # training models still without their optimizer
+        self._zero_guards = {}
+        self._zero_trace = _CommTrace.from_environment(self.process_index)
+        self._zero_warned = set()
+        _patch_trainer_if_imported()
+
+    # -- which objects are ZeRO's ---------------------------------------------------------
+    @property
+    def zero_engine(self):
+        """The :class:`zero_strategy.ZeroEngine` (None until a model and its optimizer are prepared)."""
+        return self._zero_engine
+
+    def zero_engine_for(self, model):
+        engine = self._zero_engine
+        if engine is None or model is None:
+            return None
+        if model is engine.module or extract_model_from_parallel(model) is engine.module:
+            return engine
+        return None
+
+    @contextlib.contextmanager
+    def _zero_hidden(self):
+        """Keep Accelerate's own checkpointing away from the sharded model and optimizer."""
+        models, optimizers = self._models, self._optimizers
+        self._models = [m for m in models if self.zero_engine_for(m) is None]
+        self._optimizers = [o for o in optimizers if not isinstance(o, ZeroAcceleratedOptimizer)]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    # -- prepare ------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        placements = device_placement if device_placement is not None else [None] * len(args)
+        models = [(a, d) for a, d in zip(args, placements) if isinstance(a, torch.nn.Module)]
+        models += [(m, None) for m in self._zero_pending if all(m is not a for a, _ in models)]
+        for opt in args:
+            if isinstance(opt, torch.optim.Optimizer) and not isinstance(opt, AcceleratedOptimizer):
+                self._zero_start(opt, models)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _zero_start(self, optimizer, models) -> None:
+        engine = self._zero_engine
+        if engine is not None and optimizer in (engine.inner_optimizer, engine.optimizer):
+            return
+        wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owner = next(
+            ((m, d) for m, d in models if wanted <= {id(p) for p in m.parameters()}), None
+        )
+        if owner is None:
+            raise ValueError(
+                "zero_config: ZeRO partitions a model together with its optimizer, but this optimizer's "
+                "parameters do not all belong to one model passed to accelerator.prepare (in this call or "
+                "an earlier one). Prepare the model and the optimizer built over its parameters."
+            )
+        model, placement = owner
+        if engine is not None:
+            raise NotImplementedError(
+                "zero_config: one model/optimizer pair per Accelerator is supported; this Accelerator "
+                f"already runs {type(engine.module).__name__} with ZeRO"
+            )
+        if placement is None:
+            placement = self.device_placement
+        if placement:
+            model.to(self.device)
+        import zero_strategy
+
+        self._zero_engine = engine = zero_strategy.initialize(model, optimizer, self.zero_config)
+        if engine.config.shards_parameters:
+            # transformers' generate() (and a few speech models) then keep every rank
+            # stepping until all are done, as the stage-3 all-gathers require.
+            model._is_fsdp_managed_module = True
+        guard = self._zero_guards.pop(id(model), None)
+        if guard is not None:
+            guard.remove()
+        self._zero_pending = [m for m in self._zero_pending if m is not model]
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        if self.zero_engine_for(model) is not None:
+            if model not in self._models:
+                self._models.append(model)
+            return model
+        if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        # A model to train: it is partitioned when its optimizer is prepared.
+        if device_placement is None:
+            device_placement = self.device_placement
+        if device_placement:
+            model = model.to(self.device)
+        if model not in self._models:
+            self._models.append(model)
+        if all(model is not m for m in self._zero_pending):
+            self._zero_pending.append(model)
+            self._zero_guards[id(model)] = model.register_forward_pre_hook(_train_without_optimizer)
+        return model
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        engine = self._zero_engine
+        if engine is not None and optimizer in (engine.inner_optimizer, engine.optimizer):
+            if self._zero_wrapper is None or self._zero_wrapper.engine is not engine:
+                self._zero_wrapper = ZeroAcceleratedOptimizer(engine)
+            if self._zero_wrapper not in self._optimizers:
+                self._optimizers.append(self._zero_wrapper)
+            return self._zero_wrapper
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    # -- the training step ----------------------------------------------------------------
+    def backward(self, loss, **kwargs):
+        engine = self._zero_engine
+        if engine is None:
+            return super().backward(loss, **kwargs)
+        kwargs.pop("learning_rate", None)  # LOMO-only argument
+        loss = loss / self.gradient_accumulation_steps
+        if self._zero_trace is None:
+            engine.backward(loss, **kwargs)
+            return
+        before = _CommTrace.gradient_elements(engine)
+        engine.backward(loss, **kwargs)
+        self._zero_trace.record(engine, self.sync_gradients, _CommTrace.gradient_elements(engine) - before)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        engine = self.zero_engine_for(model)
+        if engine is None:
+            with super().no_sync(model):
+                yield
+        else:
+            with engine.no_sync():
+                yield
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model):
+        if self.zero_engine_for(model) is not None:
+            raise NotImplementedError(
+                "zero_config: trigger_sync_in_backward is not supported; leave the last micro-batch's "
+                "backward outside no_sync (accelerator.accumulate does this)"
+            )
+        with Accelerator.trigger_sync_in_backward(model):
+            yield
+
+    def _zero_engine_for_parameters(self, parameters):
+        parameters = list(parameters)
+        engine = self._zero_engine
+        if engine is None:
+            return None, parameters
+        given = {id(p) for p in parameters}
+        trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
+        if not given & trainable:
+            return None, parameters
+        if not trainable <= given:
+            raise ValueError(
+                "zero_config: gradient clipping acts on all of the model's gradients at once (they are "
+                "partitioned across ranks); pass model.parameters()"
+            )
+        return engine, parameters
+
+    def _zero_outside_sync(self, what: str) -> bool:
+        if self.sync_gradients:
+            return False
+        if what not in self._zero_warned:
+            self._zero_warned.add(what)
+            warnings.warn(
+                f"zero_config: {what} called on a micro-batch that does not synchronise gradients; "
+                "it does nothing there (call it when accelerator.sync_gradients is True)",
+                stacklevel=3,
+            )
+        return True
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        engine, parameters = self._zero_engine_for_parameters(parameters)
+        if engine is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        if self._zero_outside_sync("clip_grad_norm_"):
+            return None
+        return engine.clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        engine, parameters = self._zero_engine_for_parameters(parameters)
+        if engine is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        if self._zero_outside_sync("clip_grad_value_"):
+            return None
+        engine.clip_grad_value_(clip_value)
+
+    # -- weights and checkpoints ------------------------------------------------------------
+    def get_state_dict(self, model, unwrap=True):
+        """Consolidated weights on the main process ({} elsewhere); every process must call it."""
+        engine = self.zero_engine_for(model)
+        if engine is None:
+            return super().get_state_dict(model, unwrap=unwrap)
+        state_dict = engine.full_state_dict(rank0_only=True)
+        if self.zero_settings.zero3_save_16bit_model and engine.config.is_mixed_precision:
+            dtype, cast = engine.config.param_dtype, {}
+            for name, tensor in state_dict.items():
+                if tensor.is_floating_point():
+                    if id(tensor) not in cast:  # keep tied weights one tensor
+                        cast[id(tensor)] = tensor.to(dtype)
+                    state_dict[name] = cast[id(tensor)]
+        return state_dict
+
+    def save_state(self, output_dir=None, safe_serialization=True, **save_model_func_kwargs):
+        engine = self._zero_engine
+        if engine is None:
+            self._zero_check_no_pending("save_state")
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        with self._zero_hidden():
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        _state.save_engine(engine, os.path.join(location, _state.CHECKPOINT_SUBDIR), self.process_index)
+        return location
+
+    def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
+        engine = self._zero_engine
+        if engine is None:
+            self._zero_check_no_pending("load_state")
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        resolved = []
+        handle = self.register_load_state_pre_hook(lambda models, folder: resolved.append(folder))
+        try:
+            with self._zero_hidden():
+                super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        finally:
+            handle.remove()
+        _state.load_engine(engine, os.path.join(resolved[-1], _state.CHECKPOINT_SUBDIR), self.process_index)
+
+    def _zero_check_no_pending(self, what: str) -> None:
+        if self._zero_pending:
+            raise RuntimeError(
+                f"zero_config: {what} before the model's optimizer was prepared; prepare the optimizer first "
+                "(ZeRO partitions the model together with it)"
+            )
+
+    def free_memory(self, *objects):
+        # The engine stays: the model it partitioned in place cannot be handed back whole.
+        self._zero_wrapper = None
+        return super().free_memory(*objects)
+
+
+def _train_without_optimizer(module, args):
+    if module.training and torch.is_grad_enabled():
+        raise RuntimeError(
+            "zero_config: this model was prepared without its optimizer. ZeRO partitions a model together "
+            "with its optimizer: pass both to accelerator.prepare (in one call, or the optimizer in a later "
+            "call) before training it"
+        )
+
+
+class _CommTrace:
+    """Per-backward gradient-communication volume, for checking accumulation (opt-in)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    @classmethod
+    def from_environment(cls, rank: int) -> Optional["_CommTrace"]:
+        folder = os.environ.get(_settings.TRACE_ENV_VAR)
+        if not folder:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        return cls(os.path.join(folder, f"rank{rank}.jsonl"))
+
+    @staticmethod
+    def gradient_elements(engine) -> int:
+        report = engine.comm_report()
+        return report["reduce_scatter"].elements + report["all_reduce"].elements
+
+    def record(self, engine, sync: bool, elements: int) -> None:
+        line = {"event": "backward", "stage": engine.config.stage, "sync": bool(sync), "gradient_elements": int(elements)}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def _patch_trainer_if_imported() -> None:
+    """The Trainer builds its Accelerator itself, so by now its module is imported."""
+    module = sys.modules.get("transformers.trainer")
+    if module is not None:
+        from .trainer import patch_trainer
+
+        patch_trainer(module.Trainer)

@@ -1,0 +1,180 @@
+"""What the Trainer strategy and the Fabric strategy share: configuration, precision
+mapping, and the engine's life cycle around a module.  Nothing here partitions
+anything: every model-state operation goes through zero_strategy's public API.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from typing import Any, Mapping, Optional
+
+import torch
+
+log = logging.getLogger("integrations.lightning")
+
+# Lightning precision flag -> engine precision.  The engine does its own mixed
+# precision (16-bit parameters for compute, fp32 master shards, input casting at the
+# root forward, fp16 loss scaling), so Lightning must neither autocast nor scale.
+LIGHTNING_TO_ENGINE_PRECISION = {
+    "32-true": "fp32",
+    "32": "fp32",
+    "bf16-mixed": "bf16",
+    "16-mixed": "fp16",
+}
+ENGINE_TO_LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+# Registered names: name -> (stage, description).
+STRATEGY_NAMES = {
+    "zero1": (1, "ZeRO stage 1: optimizer state partitioned (zero_strategy)"),
+    "zero2": (2, "ZeRO stage 2: optimizer state and gradients partitioned (zero_strategy)"),
+    "zero3": (3, "ZeRO stage 3: optimizer state, gradients and parameters partitioned (zero_strategy)"),
+    "zero": (None, "ZeRO with the configuration's stage (default 2) (zero_strategy)"),
+}
+
+
+def base_config(stage: Optional[int], config: Any, options: Mapping[str, Any]):
+    """Validate the strategy's arguments now (a typo fails when the Trainer is built,
+    not inside a collective) and return the ZeroConfig before precision is known."""
+    from zero_strategy import ZeroConfig
+
+    cfg = ZeroConfig.coerce(config)
+    changes = dict(options)
+    if stage is not None:
+        changes["stage"] = stage
+    return cfg.replace(**changes) if changes else cfg
+
+
+def engine_precision(flag: str, config_precision: str) -> str:
+    """The engine precision for a Lightning precision flag.
+
+    The Trainer/Fabric flag decides.  A strategy config asking for a 16-bit precision is
+    honoured when the flag was left at its default "32-true"; two different 16-bit
+    requests are an error."""
+    flag = str(flag)
+    if flag not in LIGHTNING_TO_ENGINE_PRECISION:
+        raise ValueError(
+            f"zero_strategy supports precision '32-true', 'bf16-mixed' and '16-mixed' (fp32 master weights, "
+            f"16-bit compute); got {flag!r}. '16-true'/'bf16-true' (no fp32 master) and '64-true' are not supported."
+        )
+    requested = LIGHTNING_TO_ENGINE_PRECISION[flag]
+    if requested == "fp32":
+        return config_precision
+    if config_precision not in ("fp32", requested):
+        raise ValueError(
+            f"precision conflict: the Trainer/Fabric asks for {flag!r} but the ZeRO config says "
+            f"precision={config_precision!r}; set it in one place"
+        )
+    return requested
+
+
+def requested_precision_flag() -> Optional[str]:
+    """The precision the user passed to ``Trainer``/``Fabric``, read from the connector.
+
+    [Note: 16-mixed on CPU]
+    Both Lightning connectors turn ``precision="16-mixed"`` into "bf16-mixed" when the
+    accelerator is the CPU (torch autocast has no fp16 on CPU) before the strategy sees
+    the precision plugin.  The engine does fp16 on CPU fine, so the strategy's precision
+    setter -- which the connector calls from inside its ``__init__`` -- reads the
+    original argument from that frame.  Returns None when no connector is found."""
+    try:
+        frame = sys._getframe(1)
+    except Exception:  # noqa: BLE001 - interpreters without frames
+        return None
+    for _ in range(12):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__init__" and type(owner).__name__ in ("_AcceleratorConnector", "_Connector"):
+            value = frame.f_locals.get("precision")
+            return None if value is None else str(value)
+        frame = frame.f_back
+    return None
+
+
+def resolve_plugin_flag(plugin_flag: str) -> str:
+    """Undo the connector's CPU fallback from 16-mixed to bf16-mixed (see the note)."""
+    if plugin_flag == "bf16-mixed":
+        raw = requested_precision_flag()
+        if raw in ("16-mixed", "16"):
+            log.info("zero_strategy: using fp16 with dynamic loss scaling as requested (precision=%r); "
+                     "ignore Lightning's message about falling back to bf16 on CPU", raw)
+            return "16-mixed"
+    return plugin_flag
+
+
+# ----------------------------------------------------------------------------------------
+# engines and the modules they manage
+# ----------------------------------------------------------------------------------------
+# A LightningModule keeps its engine across Trainer runs and across Trainers (its
+# parameters stay sharded after fit), so the next strategy must find it.
+_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(module: torch.nn.Module):
+    return _ENGINES.get(module)
+
+
+def initialize_engine(module, optimizer, config):
+    import zero_strategy
+
+    previous = _ENGINES.get(module)
+    if previous is not None:
+        release_engine(module)
+    sync_module_states(module)
+    engine = zero_strategy.initialize(module, optimizer, config)
+    _ENGINES[module] = engine
+    return engine
+
+
+def release_engine(module) -> None:
+    """Give ``module`` back its whole parameters and drop its engine.
+
+    Needed when a new optimizer arrives (every ``fit`` calls configure_optimizers) while
+    the module is still partitioned by an earlier engine.  Uses only the public API:
+    the consolidated state dict, then plain parameter assignment."""
+    engine = _ENGINES.pop(module, None)
+    if engine is None:
+        return
+    full = engine.full_state_dict(rank0_only=False)
+    engine.close()
+    device = _engine_device(engine)
+    with torch.no_grad():
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if name in full:
+                p.data = full[name].to(device)
+                p.grad = None
+
+
+def _engine_device(engine) -> torch.device:
+    for p in engine.module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def sync_module_states(module) -> None:
+    """Rank 0's initial parameters and buffers on every rank, as DDP does at wrap time
+    (the engine takes each rank's values as they are)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    try:  # bucketed broadcasts, as DDP's constructor does
+        from torch.distributed.utils import _sync_module_states
+
+        _sync_module_states(module, dist.group.WORLD, 250 * 1024 * 1024, 0, set())
+        return
+    except (ImportError, TypeError):
+        pass
+    with torch.no_grad():
+        seen = set()
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) in seen or t.device.type == "meta":
+                continue
+            seen.add(id(t))
+            dist.broadcast(t.data, src=0)
+
+
+def split_client_state(checkpoint: Mapping[str, Any]) -> dict:
+    """Lightning's checkpoint dict without what the shard files hold."""
+    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}

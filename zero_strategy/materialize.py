@@ -1,0 +1,203 @@
+"""Models larger than one device: build partitioned, initialise or load slice by slice.
+
+[Note: deferred parameters]
+Inside :func:`init_context` every parameter a module registers is moved to the meta
+device (no memory); buffers are built normally (they are small, and some, like rotary
+frequencies, are computed in ``__init__``).  ``initialize`` then creates each flat
+unit's buffers without values and fills them here, one module (initialisation) or one
+slice (loading) at a time, so no rank ever holds the whole model:
+
+* initialisation walks ``model.modules()`` in its fixed order and, for each module
+  with parameters still to fill, gives those parameters temporary storage, runs the
+  module's own ``reset_parameters()`` and then the model's per-module initialiser
+  (``model._init_weights(module)``, the transformers convention, duck-typed), and
+  keeps only the part this rank owns.  Every rank runs the same sequence from the
+  same seed, so the values do not depend on the world size.
+* loading reads, from safetensors files, only the rows covering the flat range this
+  rank owns of each tensor (``safe_open(...).get_slice``), so resident memory stays
+  near (model / N + largest tensor).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Dict, Iterator, Optional, Set
+
+import torch
+import torch.nn as nn
+
+from .flat_unit import set_parameter_data
+
+
+@contextlib.contextmanager
+def init_context() -> Iterator[None]:
+    """Parameters created inside are placed on the meta device; pass the model to
+    ``zero_strategy.initialize`` to materialise them partitioned."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def meta_parameter_ids(model: nn.Module) -> Set[int]:
+    return {id(p) for p in model.parameters() if p.device.type == "meta"}
+
+
+def _locate(engine) -> Dict[int, tuple]:
+    return {id(p): (u, i) for u in engine.units for i, p in enumerate(u.params)}
+
+
+def _clear_init_flags(module: nn.Module) -> None:
+    # transformers skips tensors it marked as initialised; these are fresh storage.
+    for obj in [module, *module.parameters(recurse=False)]:
+        if getattr(obj, "_is_hf_initialized", False):
+            try:
+                delattr(obj, "_is_hf_initialized")
+            except AttributeError:
+                pass
+
+
+def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = None) -> None:
+    """Initialise deferred parameters module by module (see the note above).
+
+    ``only`` restricts the work to those parameter ids (the ones a pretrained file did
+    not provide); the rest of ``pending`` is left for the caller."""
+    model, device = engine.module, engine.device
+    where = _locate(engine)
+    untouched = {id(p) for p in engine.untouched.values()}
+    todo = set(pending if only is None else only)
+    for module in model.modules():
+        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in todo]
+        if not params:
+            continue
+        views = {}
+        for _, p in params:
+            views[id(p)] = p.data
+            dtype = where[id(p)][0].orig_dtypes[where[id(p)][1]] if id(p) in where else engine.orig_dtype_by_id.get(id(p), p.dtype)
+            set_parameter_data(p, torch.empty(p.shape, dtype=dtype, device=device))
+        with torch.no_grad():
+            _clear_init_flags(module)
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            if hasattr(model, "_init_weights"):
+                model._init_weights(module)
+        for _, p in params:
+            if id(p) in where:
+                unit, i = where[id(p)]
+                unit.write_param_values(i, p.data.reshape(-1))
+                p.data = views[id(p)]
+            elif id(p) in untouched:
+                p.data = p.data.to(engine.config.param_dtype) if p.is_floating_point() else p.data
+            todo.discard(id(p))
+            pending.discard(id(p))
+
+
+# ----------------------------------------------------------------------------------------
+# loading pretrained weights straight into shards
+# ----------------------------------------------------------------------------------------
+def _weight_files(path) -> Dict[str, Path]:
+    """name -> safetensors file, for a file, or a directory with one file or an index."""
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    else:
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {k: path / v for k, v in weight_map.items()}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors weights in {path} (looked for model.safetensors or an index)")
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[k] = f
+    return out
+
+
+def _read_flat_range(handle, key: str, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of a tensor's flattened view, reading only the rows
+    (first-dimension slices) that cover them."""
+    sl = handle.get_slice(key)
+    shape = sl.get_shape()
+    if len(shape) == 0:
+        return handle.get_tensor(key).reshape(-1)[start:end]
+    row = 1
+    for d in shape[1:]:
+        row *= d
+    r0, r1 = start // row, -(-end // row)
+    block = sl[r0:r1].reshape(-1)
+    return block[start - r0 * row : end - r0 * row]
+
+
+def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[str, list]:
+    """Fill the engine's parameters from safetensors weights, each rank reading only
+    what it keeps; parameters missing from the files are initialised reproducibly
+    (deferred ones) or left as they are.  Returns ``{"missing": [...], "unexpected": [...]}``."""
+    from safetensors import safe_open
+
+    files = _weight_files(path)
+
+    @contextlib.contextmanager
+    def handle(f):
+        # A fresh memory map per tensor: pages of a map stay resident (and count as
+        # this process's memory) until it is closed, so one long-lived map per file
+        # would grow to the whole file as its tensors are read.
+        with safe_open(str(f), framework="pt") as h:
+            yield h
+
+    used, missing = set(), []
+    not_provided: Set[int] = set()
+    for unit in engine.units:
+        for i, names in enumerate(unit.names):
+            key = next((n for n in names if n in files), None)
+            if key is None:
+                missing.append(names[0])
+                not_provided.add(id(unit.params[i]))
+                continue
+            used.add(key)
+            owned = unit.owned_range_of_param(i)
+            if owned is None:
+                continue
+            a, b = owned
+            with handle(files[key]) as h:
+                values = _read_flat_range(h, key, a, b).clone()
+            if values.numel() != b - a:
+                raise ValueError(f"{files[key]}: {key} has {values.numel()} elements in [{a}, {b}), expected {b - a}; shape mismatch?")
+            unit.write_param_values(i, values.to(torch.float32), start=a)
+    with torch.no_grad():
+        for name, p in engine.untouched.items():
+            if name in files:
+                if p.device.type == "meta":
+                    set_parameter_data(p, torch.empty(p.shape, dtype=engine.config.param_dtype, device=engine.device))
+                    (pending or set()).discard(id(p))
+                with handle(files[name]) as h:
+                    p.copy_(h.get_tensor(name))
+                used.add(name)
+            else:
+                missing.append(name)
+                not_provided.add(id(p))
+        for name, b in engine.module.named_buffers():
+            if name in files:
+                with handle(files[name]) as h:
+                    b.copy_(h.get_tensor(name))
+                used.add(name)
+    if pending:
+        provided = pending - not_provided
+        pending -= provided
+        if pending:
+            initialize_deferred(engine, pending)
+    unexpected = sorted(set(files) - used)
+    return {"missing": missing, "unexpected": unexpected}
