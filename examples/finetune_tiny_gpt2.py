@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import time
 
@@ -204,10 +205,14 @@ def main() -> None:
             print(f"loss on a probe batch: ZeRO model {engine_loss:.4f}, "
                   f"reloaded GPT2LMHeadModel.from_pretrained {reloaded_loss:.4f}")
 
+    # Tear down while Python is fully alive: drop the engine (it and its optimizer facade
+    # form a reference cycle, hence gc.collect) so that destroy_process_group really
+    # destroys the group and joins its worker threads.  Otherwise a gloo worker thread
+    # may release a finished collective during interpreter shutdown and abort the process.
     engine.close()
+    del engine, optimizer, scheduler
+    gc.collect()
     if dist.is_initialized():
-        # Let every rank finish its last collective before the group goes away: without
-        # this barrier the gloo backend can abort at interpreter exit.
         dist.barrier()
         dist.destroy_process_group()
 

@@ -90,7 +90,8 @@ def zero_run(rank, ws, job):
     batches = lm_batches(steps, ws * accum * micro)
     cfg = dict(stage=job["stage"], precision=job["precision"], reduce_bucket_size=job.get("bucket", 3000),
                param_persistence_threshold=job.get("persist", 64), initial_scale_power=job.get("initial_scale_power", 8),
-               gradient_clipping=job.get("clip", 0.0))
+               gradient_clipping=job.get("clip", 0.0), offload_optimizer=job.get("offload", "none"),
+               activation_checkpointing=job.get("checkpointing", ()), offload_activations=job.get("offload_activations", False))
     engine = zero_strategy.initialize(model, opt, cfg)
     losses = []
     for batch in batches:
@@ -108,6 +109,8 @@ def zero_run(rank, ws, job):
         dist.all_reduce(t)
         losses.append(float(t))
     sd = engine.full_state_dict()
+    if job.get("with_report"):
+        return losses, sd, engine.memory_report()
     return losses, sd
 
 

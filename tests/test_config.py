@@ -32,6 +32,9 @@ EXPECTED_DEFAULTS = {
     "hysteresis": 2,
     "min_loss_scale": 1.0,
     "gradient_clipping": 0.0,
+    "offload_optimizer": "none",
+    "activation_checkpointing": (),
+    "offload_activations": False,
 }
 
 
@@ -272,3 +275,12 @@ def test_random_input_gives_a_valid_config_or_value_error(data):
         assert math.isfinite(getattr(cfg, name))
     assert isinstance(cfg.unit_modules, tuple) and cfg.unit_modules
     assert ZeroConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_offload_and_activation_checkpointing_fields():
+    cfg = ZeroConfig.from_dict({"offload_optimizer": "cpu", "activation_checkpointing": "GPT2Block", "offload_activations": True})
+    assert cfg.offload_optimizer == "cpu" and cfg.activation_checkpointing == ("GPT2Block",)
+    with pytest.raises(ValueError, match="offload_optimizer"):
+        ZeroConfig(offload_optimizer="nvme")
+    with pytest.raises(ValueError, match="needs activation_checkpointing"):
+        ZeroConfig(offload_activations=True)

@@ -112,9 +112,11 @@ def test_trainer_stages_match_ddp_fit_validate_test_predict(tmp_path):
     # bf16: the engine computes entirely in bf16 (parameters and inputs, targets included:
     # floating inputs are cast at the root forward) with fp32 master weights; DDP's
     # bf16-mixed autocasts only the matmuls and keeps fp32 parameters.  Both round
-    # differently at the 2**-8 level, so: losses within 2%, and the distance between the
-    # final weights small against how far training moved them.
+    # differently at the 2**-8 level, so: losses within 2%, and the final weights no
+    # further from ddp-bf16 than twice the distance bf16 itself puts between ddp-bf16
+    # and ddp-fp32 (measured: 0.022 vs 0.041, relative to how far training moved them).
     ddp16 = _weights(tmp_path, "bf16-ddp")
+    bf16_noise = _rel_diff(ddp32, ddp16, init)
     for s in ZERO:
         for r in (0, 1):
             got, ref = _load(tmp_path, f"bf16-{s}", r), _load(tmp_path, "bf16-ddp", r)
@@ -123,7 +125,7 @@ def test_trainer_stages_match_ddp_fit_validate_test_predict(tmp_path):
         w = _weights(tmp_path, f"bf16-{s}")
         assert all(w[k].dtype == init[k].dtype for k in init)  # consolidated in the original fp32
         rel = _rel_diff(w, ddp16, init)
-        assert rel < 0.1, f"bf16 {s}: |w - w_ddp| / |w_ddp - w0| = {rel:.3f}"
+        assert rel < min(0.1, 2 * bf16_noise), f"bf16 {s}: |w - w_ddp| / |w_ddp - w0| = {rel:.3f} (bf16 noise {bf16_noise:.3f})"
         # ...and bf16 really ran: not bitwise the fp32 result.
         assert any(not (w[k] == _weights(tmp_path, f"fp32-{s}")[k]).all() for k in w)
 
@@ -162,8 +164,9 @@ def test_trainer_accumulation_and_clipping_match(tmp_path):
 def test_trainer_fp16_overflow_skips_step_and_scheduler(tmp_path):
     """16-mixed (also on CPU, where Lightning itself would fall back to bf16): dynamic
     loss scaling; an overflow skips the step on both ranks and the step LR scheduler
-    is not stepped for it.  Also configure_model under stage 3, and the standalone
-    pytorch_lightning package against its own ddp."""
+    is not stepped for it.  Also: configure_model under stage 3; fit twice, test from a
+    new Trainer and a plain forward after fit; the standalone pytorch_lightning package
+    against its own ddp."""
     _scenario("misc", tmp_path)
     for tag in ("fp16-instance", "fp16-name"):
         recs = [_load(tmp_path, tag, r) for r in (0, 1)]
@@ -175,9 +178,9 @@ def test_trainer_fp16_overflow_skips_step_and_scheduler(tmp_path):
             assert x["changed"] == (not x["skipped"]), steps
         n_ok = sum(not x["skipped"] for x in steps)
         if tag == "fp16-instance":
-            assert 1 <= len(steps) - n_ok < len(steps) - 2, f"expected a few overflow skips: {steps}"
+            assert len(steps) - n_ok >= 1 and n_ok >= 2, f"expected overflow skips, then steps: {steps}"
         assert recs[0]["scheduler_steps"] == n_ok, (recs[0]["scheduler_steps"], steps)
-        assert recs[0]["final_lr"] == pytest.approx(1e-2 / (1 + 0.1 * n_ok))
+        assert recs[0]["final_lr"] == pytest.approx(1e-3 / (1 + 0.1 * n_ok))
         assert all(v == v and abs(v) < 1e3 for v in recs[0]["losses"])
     # configure_model: built whole on every rank (the core has no init context yet),
     # partitioned by the time training starts.
@@ -190,6 +193,11 @@ def test_trainer_fp16_overflow_skips_step_and_scheduler(tmp_path):
         _assert_close_seq(_load(tmp_path, "pl-zero3", r)["losses"], _load(tmp_path, "pl-ddp", r)["losses"], 1e-5, 1e-7,
                           "pytorch_lightning zero3 vs ddp")
     _assert_state_close(_weights(tmp_path, "pl-zero3"), _weights(tmp_path, "pl-ddp"), 1e-5, 1e-6, "pytorch_lightning weights")
+    for r in (0, 1):
+        got, ref = _load(tmp_path, "refit-zero3", r), _load(tmp_path, "refit-ddp", r)
+        assert len(got["losses"]) == 8
+        _assert_close_seq(got["losses"] + [got["test_loss"]] + got["forward"], ref["losses"] + [ref["test_loss"]] + ref["forward"],
+                          1e-5, 1e-6, "fit twice / test from a new Trainer / plain forward, zero3 vs ddp")
 
 
 @pytest.mark.slow
@@ -238,7 +246,7 @@ def _classes(pl):
             return torch.tanh(self.lin(x)) + x
 
     class Net(pl.LightningModule):
-        def __init__(self, optim="adamw", lr=1e-2, sched=True, build_in_configure=False, width=WIDTH):
+        def __init__(self, optim="adamw", lr=1e-3, sched=True, build_in_configure=False, width=WIDTH):
             super().__init__()
             self.save_hyperparameters()
             self.net = None if build_in_configure else self._build()
@@ -364,11 +372,8 @@ def scenario_parity(run):
                 data["param_bytes"] = engine.memory_report()["parameters"]
             run.save_weights(f"{tag_p}-{s}", trainer, model)
             if precision == "32-true":
-                metrics = dict(trainer.validate(model, _data(8), verbose=False)[0])
+                metrics = dict(trainer.validate(model, _data(8), verbose=False)[0])  # val_loss, rank_mean
                 metrics.update(trainer.test(model, _data(8), verbose=False)[0])
-                metrics["rank_mean"] = run.metrics(trainer).get("rank_mean", float("nan"))
-                trainer.validate(model, _data(8), verbose=False)
-                metrics["rank_mean"] = run.metrics(trainer)["rank_mean"]
                 preds = trainer.predict(model, _data(8))
                 data["metrics"] = metrics
                 data["predictions"] = torch.cat(preds).flatten().tolist()
@@ -435,7 +440,7 @@ def scenario_misc(run):
     for tag, strategy in (("fp16-instance", ZeroStrategy(stage=2, initial_scale_power=20, hysteresis=1)),
                           ("fp16-name", "zero2")):
         rec = StepRecorder()
-        model = run.model(lr=1e-2)
+        model = run.model()
         trainer = run.trainer(strategy, "16-mixed", max_epochs=2, gradient_clip_val=1.0, callbacks=[rec])
         trainer.fit(model, _data(8))
         sched = trainer.lr_scheduler_configs[0].scheduler
@@ -454,6 +459,18 @@ def scenario_misc(run):
         full = sum(p.numel() * 4 for p in model.parameters())
         run.dump(f"configure_model-{s}", trainer, losses=model.losses, full_param_bytes=full,
                  bytes_in_configure_model=model.bytes_in_configure_model, param_bytes_at_fit_start=cb.bytes if cb else None)
+
+    # A second fit (new Trainer, new optimizer: the engine is rebuilt), test from a third
+    # Trainer (reuses the engine), and a plain forward after fit (both ranks).
+    for s in ("zero3", "ddp"):
+        model = run.model()
+        run.trainer(s).fit(model, _data(8))
+        trainer = run.trainer(s)
+        trainer.fit(model, _data(8))
+        test_loss = run.trainer(s).test(model, _data(8), verbose=False)[0]["test_loss"]
+        with torch.no_grad():
+            out = model(torch.randn(3, 8, generator=torch.Generator().manual_seed(5))).float()
+        run.dump(f"refit-{s}", trainer, losses=model.losses, test_loss=test_loss, forward=out.flatten().tolist())
 
     # The standalone pytorch_lightning package: separate classes, separate registry.
     import pytorch_lightning
@@ -519,6 +536,10 @@ def _main(argv):
     import lightning.pytorch as pl
 
     globals()[f"scenario_{scenario}"](_Run(pl, out))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # plain ddp runs otherwise abort at exit here (gloo threads)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -113,8 +113,7 @@ def _as_float(name: str, value: Any) -> float:
     return result
 
 
-def _as_unit_modules(value: Any) -> tuple:
-    name = "unit_modules"
+def _as_unit_modules(value: Any, name: str = "unit_modules") -> tuple:
     if isinstance(value, str):
         value = (value,)
     if not isinstance(value, (list, tuple)):
@@ -125,7 +124,7 @@ def _as_unit_modules(value: Any) -> tuple:
     # "auto" picks the units itself; mixing it with explicit names has no clear meaning.
     if "auto" in result and len(result) > 1:
         raise ValueError(
-            f"ZeroConfig.unit_modules: 'auto' must be used alone, got {list(result)!r}"
+            f"ZeroConfig.{name}: 'auto' must be used alone, got {list(result)!r}"
         )
     return result
 
@@ -193,6 +192,20 @@ class ZeroConfig:
     """Clip the global gradient norm to this in step() (>= 0; 0 = off). Done by ZeRO
     itself because with partitioned gradients no rank sees the whole norm."""
 
+    offload_optimizer: str = "none"
+    """ZeRO-Offload: "cpu" keeps the fp32 master shard and the optimizer state in host
+    memory (pinned on CUDA) and runs the optimizer step there; "none" keeps them on the
+    training device."""
+
+    activation_checkpointing: tuple = ()
+    """ZeRO-R: class names of the blocks whose activations are recomputed in backward
+    instead of stored (e.g. ("GPT2Block",)); ("auto",) = the largest repeated module
+    class; () = off."""
+
+    offload_activations: bool = False
+    """ZeRO-R P_a+cpu: move the activation checkpoints (block inputs) to host memory
+    between forward and backward. Needs activation_checkpointing."""
+
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values have to be written with object.__setattr__.
         def put(name: str, value: Any) -> None:
@@ -218,6 +231,20 @@ class ZeroConfig:
         if not isinstance(self.overlap_comm, bool):
             raise _type_error("overlap_comm", self.overlap_comm, "true or false")
         put("unit_modules", _as_unit_modules(self.unit_modules))
+        if self.offload_optimizer not in ("none", "cpu"):
+            raise ValueError(f"ZeroConfig.offload_optimizer must be 'none' or 'cpu', got {self.offload_optimizer!r}")
+        ac = self.activation_checkpointing
+        if ac in (None, False, "", (), []):
+            put("activation_checkpointing", ())
+        else:
+            put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
+        if not isinstance(self.offload_activations, bool):
+            raise _type_error("offload_activations", self.offload_activations, "true or false")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError(
+                "ZeroConfig.offload_activations needs activation_checkpointing (the checkpoints are what is "
+                "offloaded): set activation_checkpointing to block class names or ['auto']"
+            )
 
     # -- what the stage implies -------------------------------------------------------
 
@@ -260,6 +287,7 @@ class ZeroConfig:
         """Plain JSON/YAML-safe values; `from_dict(to_dict())` gives an equal config."""
         result = dataclasses.asdict(self)
         result["unit_modules"] = list(self.unit_modules)  # yaml.safe_dump rejects tuples
+        result["activation_checkpointing"] = list(self.activation_checkpointing)
         return result
 
     @classmethod

@@ -72,6 +72,8 @@ class ZeroEngine:
         self._closed = False
         cfg = self.config
         compute_dtype = cfg.param_dtype
+        if cfg.offload_optimizer == "cpu" and cfg.stage == 0:
+            raise ValueError("offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
 
         # Parameters built inside init_context() live on the meta device until the
         # units below are filled (materialize.py); decide where they will live.
@@ -100,9 +102,10 @@ class ZeroEngine:
                     keep_full=not cfg.shards_parameters or spec.persistent,
                     compute_dtype=compute_dtype,
                     reduce_dtype=cfg.grad_reduce_dtype,
-                    keep_master=cfg.is_mixed_precision,
+                    keep_master=cfg.is_mixed_precision or cfg.offload_optimizer == "cpu",
                     shards_gradients=cfg.shards_gradients,
                     device=self.device,
+                    offload_device=torch.device("cpu") if cfg.offload_optimizer == "cpu" else None,
                 )
             )
         self.trainable_units = [u for u in self.units if u.trainable]
@@ -238,10 +241,10 @@ class ZeroEngine:
         for u in self.trainable_units:
             g = u.reduced_grad()
             p = u.optim_param
-            if g.dtype == p.dtype and inv_scale == 1.0:
+            if g.dtype == p.dtype and g.device == p.device and inv_scale == 1.0:
                 p.grad = g
             else:
-                p.grad = g.to(p.dtype)
+                p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
                 if inv_scale != 1.0:
                     p.grad.mul_(inv_scale)
             if self.config.uses_loss_scaling and not local_overflow:
@@ -350,7 +353,7 @@ class ZeroEngine:
     # -- reports ----------------------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:
         """Bytes held on this rank now, by category (model states and comm buffers)."""
-        report = {"parameters": 0, "gradients": 0, "master_weights": 0, "optimizer_state": 0, "communication_buffers": 0}
+        report = {"parameters": 0, "gradients": 0, "master_weights": 0, "optimizer_state": 0, "communication_buffers": 0, "offloaded": 0}
         for u in self.units:
             for k, v in u.bytes_by_category().items():
                 report[k] += v
@@ -360,7 +363,14 @@ class ZeroEngine:
                 report["gradients"] += p.grad.numel() * p.grad.element_size()
         if self.inner_optimizer is not None:
             report["optimizer_state"] = optimizer_state_bytes(self.inner_optimizer)
+            if self.config.offload_optimizer == "cpu":
+                report["offloaded"] += report["optimizer_state"]
+        offloaded = report.pop("offloaded")
         report["total"] = sum(report.values())
+        # What stays on the training device (the saving ZeRO-Offload buys) and what
+        # lives in host memory instead.
+        report["host"] = offloaded
+        report["device"] = report["total"] - offloaded
         return report
 
     def comm_report(self):

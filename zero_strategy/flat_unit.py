@@ -72,6 +72,7 @@ class FlatUnit:
         keep_master: bool,
         shards_gradients: bool,
         device: Optional[torch.device] = None,
+        offload_device: Optional[torch.device] = None,
     ) -> None:
         self.index = index
         self.params = list(params)
@@ -88,6 +89,10 @@ class FlatUnit:
         self.layout = FlatLayout(tuple(p.numel() for p in self.params), world_size if partition else 1)
         self.shard_index = rank if partition else 0
         self.device = torch.device(device) if device is not None else self.params[0].device
+        # ZeRO-Offload: the master shard, its gradient and the optimizer state live here.
+        self.offload_device = offload_device
+        master_device = offload_device or self.device
+        pin = offload_device is not None and self.device.type == "cuda"
         lo, hi = self.layout.shard_range(self.shard_index)
         self._lo, self._hi = lo, hi
         self.master: Optional[torch.Tensor] = None
@@ -104,7 +109,7 @@ class FlatUnit:
                 self.full = torch.empty(self.layout.padded_numel, dtype=compute_dtype, device=self.device)
                 self.shard = torch.zeros(self.layout.shard_numel, dtype=compute_dtype, device=self.device)
             if self.trainable and keep_master:
-                self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.device)
+                self.master = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=master_device, pin_memory=pin)
             self._point_params_at_full()
             self.state = DataState.GATHERED
             if not keep_full:
@@ -118,7 +123,8 @@ class FlatUnit:
                 if p.device.type != "meta":
                     full_hp[off : off + p.numel()].copy_(p.detach().reshape(-1))
             if self.trainable and keep_master:
-                self.master = full_hp[lo:hi].detach().to(torch.float32, copy=True)
+                self.master = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=master_device, pin_memory=pin)
+                self.master.copy_(full_hp[lo:hi])
             self.full = full_hp.to(compute_dtype) if full_hp.dtype != compute_dtype else full_hp
             del full_hp
             self.shard = self.full[lo:hi] if keep_full else self.full[lo:hi].clone()
@@ -136,7 +142,14 @@ class FlatUnit:
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_shard: Optional[torch.Tensor] = None
         if self.trainable:
-            if shards_gradients:
+            if offload_device is not None:
+                # Reduced gradients go straight to host memory, in fp32, as each bucket
+                # finishes; the device keeps only the bucket (stage 2/3) or grad_full (1).
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=offload_device, pin_memory=pin)
+                if not shards_gradients:
+                    self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=self.device)
+                    self._attach_grad_views()
+            elif shards_gradients:
                 self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
             else:
                 self.grad_full = torch.zeros(self.layout.padded_numel, dtype=compute_dtype, device=self.device)
@@ -253,8 +266,9 @@ class FlatUnit:
     def reduction_output(self) -> torch.Tensor:
         """Where the reduce-scatter writes: grad_shard directly when nothing is accumulated
         there yet, otherwise a temporary to be added (see :meth:`finish_reduction`)."""
-        if self.grad_shard is not None and self.grad_shard_is_fresh:
-            return self.grad_shard
+        g = self.grad_shard
+        if g is not None and self.grad_shard_is_fresh and g.dtype == self.reduce_dtype and g.device == self.device:
+            return g
         return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
     def finish_reduction(self, reduced: torch.Tensor, replicated: bool) -> None:
@@ -338,7 +352,9 @@ class FlatUnit:
             comm += _nbytes(self.grad_full)  # a transient bucket, bounded by the unit size
         else:
             grads += _nbytes(self.grad_full)
-        return {"parameters": params, "gradients": grads, "master_weights": _nbytes(self.master), "communication_buffers": comm}
+        out = {"parameters": params, "gradients": grads, "master_weights": _nbytes(self.master), "communication_buffers": comm}
+        out["offloaded"] = (_nbytes(self.master) + _nbytes(self.grad_shard)) if self.offload_device is not None else 0
+        return out
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:

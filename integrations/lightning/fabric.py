@@ -116,6 +116,11 @@ def _build(ns: str) -> Tuple[type, type]:
             return self._engines[-1] if self._engines else None
 
         @property
+        def config(self):
+            """The ZeroConfig in use: the engine's after setup, else the requested one."""
+            return self.engine.config if self.engine is not None else self._base_config
+
+        @property
         def root_device(self) -> torch.device:
             assert self.parallel_devices is not None
             return self.parallel_devices[self.local_rank]
