@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from .accounting import optimizer_state_bytes
+from .activation import apply_activation_checkpointing
 from .comm import Communicator
 from .config import ZeroConfig
 from .flat_unit import FlatUnit
@@ -146,6 +147,11 @@ class ZeroEngine:
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
 
         self._handles = register_hooks(self)
+        self._undo_checkpointing = (
+            apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.offload_activations)
+            if cfg.activation_checkpointing
+            else []
+        )
 
         if pending and self.device.type != "meta":
             if pretrained is not None:
@@ -426,4 +432,7 @@ class ZeroEngine:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for undo in self._undo_checkpointing:
+            undo()
+        self._undo_checkpointing = []
         self._closed = True

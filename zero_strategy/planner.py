@@ -120,14 +120,14 @@ def plan_replicated_params(model, optimizer, config) -> Plan:
     return plan
 
 
-def find_unit_module_classes(model: nn.Module, requested: Sequence[str]) -> List[str]:
+def find_unit_module_classes(model: nn.Module, requested: Sequence[str], field: str = "unit_modules") -> List[str]:
     """Resolve ``unit_modules``: explicit class names, or ``auto``."""
     present = Counter(type(m).__name__ for m in model.modules())
     if tuple(requested) != ("auto",):
         missing = [c for c in requested if c not in present]
         if missing:
             raise ValueError(
-                f"unit_modules names {missing} but the model has no module of that class; "
+                f"{field} names {missing} but the model has no module of that class; "
                 f"module classes present: {sorted(present)}"
             )
         return list(requested)

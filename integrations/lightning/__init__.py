@@ -37,6 +37,7 @@ __all__ = [
     "register_fabric_strategies",
     "register_all",
     "consolidate_checkpoint",
+    "release",
     "STRATEGY_NAMES",
 ]
 
@@ -108,6 +109,16 @@ def fabric_strategy_class(namespace: str = "lightning.fabric") -> type:
     from .fabric import fabric_classes
 
     return fabric_classes(namespace)[0]
+
+
+def release(module) -> None:
+    """Give ``module`` back whole parameters and detach its engine (collective: all ranks).
+
+    After ``fit`` with a ZeRO strategy the LightningModule stays partitioned (stage 3)
+    and managed; call this before handing it to another strategy or using it alone."""
+    from ._common import release_engine
+
+    release_engine(module)
 
 
 def consolidate_checkpoint(checkpoint_dir, output_file=None):

@@ -38,7 +38,6 @@ from ._common import (
     engine_of,
     engine_precision,
     initialize_engine,
-    release_engine,
     resolve_plugin_flag,
     split_client_state,
 )
@@ -426,9 +425,4 @@ def _build(ns: str) -> Tuple[type, type]:
     return ZeroStrategy, ZeroPrecision
 
 
-def release(module: nn.Module) -> None:
-    """Give ``module`` back its whole parameters and detach its engine (collective)."""
-    release_engine(module)
-
-
-__all__ = ["trainer_classes", "release", "TRAINER_NAMESPACES"]
+__all__ = ["trainer_classes", "TRAINER_NAMESPACES"]

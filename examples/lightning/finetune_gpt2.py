@@ -1,0 +1,122 @@
+"""Fine-tune a tiny GPT-2 with the Lightning Trainer and ZeRO, on 2 CPU processes by default.
+
+    python examples/lightning/finetune_gpt2.py                     # strategy "zero3"
+    python examples/lightning/finetune_gpt2.py zero2 --precision bf16-mixed --accumulate 2
+    python examples/lightning/finetune_gpt2.py zero3 --ckpt-dir /tmp/gpt2-ckpt   # then resume:
+    python examples/lightning/finetune_gpt2.py zero3 --ckpt-dir /tmp/gpt2-ckpt --max-steps 60 --resume last
+    python examples/lightning/finetune_gpt2.py ddp                 # the same run with DDP, to compare
+    python examples/lightning/finetune_gpt2.py zero3 --accelerator gpu --devices 4 --precision bf16-mixed
+
+Nothing here imports zero_strategy: ``strategy="zero3"`` is registered at interpreter
+start by the package's start-up hook (see docs/lightning.md).  Lightning's launcher
+starts the other processes itself (``python`` is enough; torchrun/srun work too).
+
+The model is built from a ``GPT2Config`` (nothing is downloaded) inside
+``configure_model``.  Every sequence is an arithmetic progression modulo the vocabulary,
+so the loss falls quickly from ln(vocab) ~ 6.2.
+"""
+from __future__ import annotations
+
+import argparse
+
+import lightning.pytorch as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, SEQ_LEN = 512, 32
+
+
+def make_dataset(num_sequences: int, seed: int = 0) -> TensorDataset:
+    """t_i = (a + i * d) % VOCAB with d in 1..4: after two tokens the rest is determined."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (num_sequences, 1), generator=g)
+    stride = torch.randint(1, 5, (num_sequences, 1), generator=g)
+    return TensorDataset((start + torch.arange(SEQ_LEN).unsqueeze(0) * stride) % VOCAB)
+
+
+class TinyGPT2(L.LightningModule):
+    def __init__(self, lr: float = 5e-3, warmup: int = 5, n_layer: int = 4, n_embd: int = 128):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = None
+
+    def configure_model(self):
+        # Runs on every fit/validate/test: build once.  Under "zero3" the strategy
+        # partitions the parameters right after this hook.
+        if self.model is not None:
+            return
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hp = self.hparams
+        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ_LEN, n_layer=hp.n_layer, n_embd=hp.n_embd, n_head=4,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+    def _loss(self, batch):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr)
+        warmup = max(1, self.hparams.warmup)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("strategy", nargs="?", default="zero3", help="zero1, zero2, zero3, zero, ddp, ... (default zero3)")
+    parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per process")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient_clip_val (global norm); 0 = off")
+    parser.add_argument("--ckpt-dir", default=None, help="save ZeRO checkpoints (directories) here")
+    parser.add_argument("--resume", default=None, help="ckpt_path for trainer.fit, e.g. 'last' or a checkpoint directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    L.seed_everything(args.seed, verbose=False)
+    train = DataLoader(make_dataset(1024, seed=1), batch_size=args.batch_size, shuffle=True)
+    val = DataLoader(make_dataset(64, seed=2), batch_size=args.batch_size)
+    callbacks = []
+    if args.ckpt_dir:
+        callbacks.append(L.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=20, save_last=True))
+    trainer = L.Trainer(
+        accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, precision=args.precision,
+        max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
+        val_check_interval=20, limit_val_batches=4, logger=False, enable_checkpointing=bool(args.ckpt_dir),
+        callbacks=callbacks, log_every_n_steps=5,
+    )
+    model = TinyGPT2()
+    trainer.fit(model, train, val, ckpt_path=args.resume)
+    metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:  # what this rank holds, by category (MiB)
+        report = {k: round(v / 2**20, 2) for k, v in engine.memory_report().items()}
+        print(f"[rank {trainer.global_rank}] memory (MiB): {report}")
+    if trainer.is_global_zero:
+        print(f"{args.strategy} {args.precision}: {metrics}")
+        if args.ckpt_dir:
+            print("consolidate a checkpoint with: python -m integrations.lightning.consolidate "
+                  f"{args.ckpt_dir}/last.ckpt model.ckpt")
+
+
+if __name__ == "__main__":
+    main()
