@@ -203,8 +203,8 @@ def test_trainer_fp16_overflow_skips_step_and_scheduler(tmp_path):
 @pytest.mark.slow
 def test_trainer_checkpoint_resume_and_consolidation(tmp_path):
     """ModelCheckpoint writes a directory of per-rank shards; fit(ckpt_path=...) into a
-    differently initialised model continues exactly like an uninterrupted run; a fresh
-    model validates from it; the consolidated single file loads with
+    differently initialised model continues exactly like an uninterrupted run (also
+    with another stage); a fresh model validates from it; the consolidated single file loads with
     LightningModule.load_from_checkpoint in a plain process and equals ddp's weights."""
     _scenario("ckpt", tmp_path)
     for s in ("zero3", "zero1"):
@@ -217,6 +217,9 @@ def test_trainer_checkpoint_resume_and_consolidation(tmp_path):
             resumed = _load(tmp_path, f"resumed-{s}", r)["losses"]
             assert len(full) == 8 and len(resumed) == 4
             _assert_close_seq(resumed, full[4:], 1e-6, 1e-8, f"{s} rank {r} resumed losses")
+            if s == "zero1":
+                _assert_close_seq(_load(tmp_path, "resumed-zero1-as-zero3", r)["losses"], full[4:], 1e-6, 1e-8,
+                                  f"zero1 checkpoint resumed with zero3, rank {r}")
         first, evaluated = _load(tmp_path, f"first-{s}"), _load(tmp_path, f"evalckpt-{s}")
         _assert_close_seq([evaluated["val_loss"]], [first["val_loss"]], 1e-6, 1e-8, f"{s} validate(ckpt_path=...)")
     # Consolidate (CLI), then load in a plain process with the start-up hook disabled.
@@ -511,6 +514,13 @@ def scenario_ckpt(run):
         trainer = run.trainer(s)
         val = trainer.validate(model, _data(8), ckpt_path=path, verbose=False)[0]["val_loss"]
         run.dump(f"evalckpt-{s}", trainer, val_loss=val)
+
+    # Another stage resumes the same directory (the core reshards on load).
+    model = run.model(seed=123)
+    run.pl.seed_everything(0, verbose=False)
+    trainer = run.trainer("zero3", max_epochs=2)
+    trainer.fit(model, _data(8, shuffle=True), _data(8), ckpt_path=run.out / "ckpt-zero1" / "epoch=0-step=4.ckpt")
+    run.dump("resumed-zero1-as-zero3", trainer, losses=model.losses)
 
     model = run.model()
     trainer = run.trainer("ddp", max_epochs=1)
