@@ -83,6 +83,13 @@ class Communicator:
             self.rank = dist.get_rank(process_group)
             self.world_size = dist.get_world_size(process_group)
         self._tally: Dict[str, _Tally] = defaultdict(_Tally)
+        # [Note: keeping finished work handles]
+        # A Work launched from inside backward captures thread-local autograd state
+        # (a Python object).  If a gloo worker thread drops the last reference to it
+        # while the interpreter is shutting down, the process aborts.  So the engine
+        # keeps every handle for one more step and releases it from the main thread.
+        self._works_current: list = []
+        self._works_previous: list = []
 
     # -- accounting --------------------------------------------------------------------
     def _count(self, kind: str, numel: int, element_size: int) -> None:
@@ -97,6 +104,16 @@ class Communicator:
     def reset(self) -> None:
         self._tally.clear()
 
+    def _keep(self, work):
+        if not isinstance(work, _DoneWork):
+            self._works_current.append(work)
+        return work
+
+    def rotate_work_handles(self) -> None:
+        """Called once per optimizer step: drop handles that finished a step ago."""
+        self._works_previous = self._works_current
+        self._works_current = []
+
     # -- collectives ----------------------------------------------------------------------
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, async_op: bool = True):
         """Sum ``full_in`` over ranks; this rank receives its equal slice in ``shard_out``."""
@@ -104,7 +121,7 @@ class Communicator:
         if self.world_size == 1:
             shard_out.copy_(full_in)
             return _DoneWork()
-        return _reduce_scatter(shard_out, full_in, group=self.group, async_op=async_op) or _DoneWork()
+        return self._keep(_reduce_scatter(shard_out, full_in, group=self.group, async_op=async_op) or _DoneWork())
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True):
         """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order)."""
@@ -113,14 +130,14 @@ class Communicator:
             if full_out.data_ptr() != shard_in.data_ptr():
                 full_out.copy_(shard_in)
             return _DoneWork()
-        return _all_gather(full_out, shard_in, group=self.group, async_op=async_op) or _DoneWork()
+        return self._keep(_all_gather(full_out, shard_in, group=self.group, async_op=async_op) or _DoneWork())
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True):
         """Sum ``tensor`` in place over ranks (gradient all-reduce of stage 0)."""
         self._count("all_reduce", tensor.numel(), tensor.element_size())
         if self.world_size == 1:
             return _DoneWork()
-        return dist.all_reduce(tensor, group=self.group, async_op=async_op) or _DoneWork()
+        return self._keep(dist.all_reduce(tensor, group=self.group, async_op=async_op) or _DoneWork())
 
     def control_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Small synchronous reductions (overflow flags, norms): counted as ``control``."""
