@@ -150,9 +150,10 @@ class ZeroConfig:
     """Dtype gradients are reduced in; None = the same as `precision`. Reducing in fp32
     while computing in bf16 trades bandwidth for accuracy of the sum."""
 
-    reduce_bucket_size: int = 25_000_000
+    reduce_bucket_size: int = 5_000_000
     """Elements of gradients gathered into one reduce(-scatter) call (>= 1). Bigger
-    buckets mean fewer, more efficient calls but more memory held by the buffers."""
+    buckets mean fewer, more efficient calls but more memory held by the buffers, and
+    fewer chances to overlap with backward (the default, 20 MB of fp32, is about DDP's)."""
 
     allgather_bucket_size: int = 25_000_000
     """Elements of updated parameters gathered in one all-gather call after step() (>= 1)."""
