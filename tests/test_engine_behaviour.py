@@ -335,3 +335,38 @@ def test_misconfigured_optimizer_is_rejected_with_a_clear_message():
     opt.step()
     with pytest.raises(ValueError, match="already holds state"):
         zero_strategy.initialize(model, opt, dict(stage=2))
+
+
+# ------------------------------------------------------------------------------------------
+def _lifecycle_worker(rank, ws):
+    import zero_strategy
+
+    _quiet()
+    torch.manual_seed(rank)  # different on purpose: sync_module_states must fix it
+    model = tiny_gpt2(seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero_strategy.initialize(model, opt, dict(stage=3, param_persistence_threshold=0), sync_module_states=True)
+    assert zero_strategy.engine_of(model) is engine
+    try:
+        zero_strategy.initialize(model, opt, dict(stage=3))
+        raised = False
+    except ValueError as e:
+        raised = "already managed" in str(e)
+    ids = lm_batches(1, 4)[0][2 * rank : 2 * rank + 2]
+    engine.backward(model(input_ids=ids, labels=ids).loss)
+    engine.step()
+    expected = engine.full_state_dict(rank0_only=False)
+    engine.close(unshard=True)
+    whole = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        out = model(input_ids=ids).logits  # an ordinary module again
+    return dict(raised=raised, closed=zero_strategy.engine_of(model) is None,
+                same=all(torch.equal(whole[k], expected[k]) for k in expected), finite=bool(torch.isfinite(out).all()),
+                rank0_start=tiny_gpt2(seed=0).state_dict()["transformer.h.0.attn.c_attn.weight"][:2, :2].tolist())
+
+
+@pytest.mark.slow
+def test_sync_module_states_engine_registry_and_unshard_on_close():
+    r0, r1 = run_distributed(_lifecycle_worker, 2)
+    for r in (r0, r1):
+        assert r["raised"] and r["closed"] and r["same"] and r["finite"]

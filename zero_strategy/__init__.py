@@ -11,14 +11,15 @@ from typing import Optional
 
 from .config import ZeroConfig
 from .estimate import MemoryEstimate, estimate
-from .engine import ZeroEngine
+from .engine import ZeroEngine, engine_of
 from .materialize import init_context
 from .checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
 
 __version__ = "0.1.0"
 
 
-def initialize(model, optimizer=None, config=None, process_group=None, *, device=None, pretrained=None) -> ZeroEngine:
+def initialize(model, optimizer=None, config=None, process_group=None, *, device=None, pretrained=None,
+               sync_module_states=False) -> ZeroEngine:
     """Shard ``model`` in place and re-point ``optimizer`` at this rank's shards.
 
     ``model`` stays the same object of the same class; run it as before.  ``config`` is
@@ -29,14 +30,18 @@ def initialize(model, optimizer=None, config=None, process_group=None, *, device
     A model built inside :func:`init_context` has no parameter memory yet: it is
     materialised here directly into shards on ``device`` (default: the current CUDA
     device, else CPU), initialised module by module, or read slice by slice from
-    ``pretrained`` (safetensors file or directory) when given."""
-    return ZeroEngine(model, optimizer, config, process_group=process_group, device=device, pretrained=pretrained)
+    ``pretrained`` (safetensors file or directory) when given.  With
+    ``sync_module_states`` every rank first takes rank 0's parameter and buffer values
+    (for models initialised without a common seed)."""
+    return ZeroEngine(model, optimizer, config, process_group=process_group, device=device, pretrained=pretrained,
+                      sync_module_states=sync_module_states)
 
 
 __all__ = [
     "ZeroConfig",
     "ZeroEngine",
     "initialize",
+    "engine_of",
     "estimate",
     "MemoryEstimate",
     "init_context",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -35,6 +36,26 @@ from .planner import plan_partitioned_params, plan_replicated_params
 from .precision import LossScaler
 
 STATE_FORMAT = "zero_strategy.rank_state/1"
+
+
+# Which engine manages which module (weak: an engine does not keep a model alive).
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(module: nn.Module) -> Optional["ZeroEngine"]:
+    """The open ZeroEngine managing ``module``, or None."""
+    engine = _ENGINES.get(module)
+    return engine if engine is not None and not engine._closed else None
+
+
+def _broadcast_from_rank0(model: nn.Module, comm, skip) -> None:
+    """Start every rank from rank 0's values (as DDP does), tensor by tensor."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if id(t) not in skip and t.device.type != "meta":
+                dist.broadcast(t.data, src=dist.get_global_rank(comm.group, 0), group=comm.group)
 
 
 def _materialization_device(device, comm) -> torch.device:
@@ -60,6 +81,7 @@ class ZeroEngine:
         process_group=None,
         device=None,
         pretrained=None,
+        sync_module_states: bool = False,
     ) -> None:
         self.config = ZeroConfig.coerce(config)
         self.module = model
@@ -76,11 +98,20 @@ class ZeroEngine:
         if cfg.offload_optimizer == "cpu" and cfg.stage == 0:
             raise ValueError("offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
 
+        existing = _ENGINES.get(model)
+        if existing is not None and not existing._closed:
+            raise ValueError(
+                f"this {type(model).__name__} is already managed by a ZeroEngine; call engine.close() on that one "
+                "first (engine_of(model) returns it)"
+            )
         # Parameters built inside init_context() live on the meta device until the
         # units below are filled (materialize.py); decide where they will live.
         pending = meta_parameter_ids(model)
         self.device = _materialization_device(device, self.comm) if pending else None
         self.orig_dtype_by_id = {id(p): p.dtype for p in model.parameters()}
+
+        if sync_module_states and self.comm.world_size > 1:
+            _broadcast_from_rank0(model, self.comm, skip=pending)
 
         plan = (plan_partitioned_params if cfg.shards_parameters else plan_replicated_params)(model, optimizer, cfg)
         self.untouched = plan.untouched
@@ -147,6 +178,7 @@ class ZeroEngine:
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
 
         self._handles = register_hooks(self)
+        _ENGINES[model] = self
         self._undo_checkpointing = (
             apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.offload_activations)
             if cfg.activation_checkpointing
@@ -208,6 +240,20 @@ class ZeroEngine:
     def _on_root_post_forward(self) -> None:
         if self.gatherer is not None:
             self.gatherer.end_of_forward()
+
+    def _unshard(self) -> None:
+        for unit in self.units:
+            src = unit.master if unit.master is not None else unit.shard
+            full = torch.empty(unit.layout.padded_numel, dtype=src.dtype, device=unit.device)
+            if unit.layout.world_size == 1:
+                full.copy_(src)
+            else:
+                self.comm.all_gather_for_state(full, src.to(unit.device).contiguous())
+            for i, p in enumerate(unit.params):
+                p.data = unit.param_view(full, i).to(self.config.param_dtype, copy=True)
+                p.grad = None
+        for u in self.trainable_units:
+            u.optim_param.grad = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -429,8 +475,13 @@ class ZeroEngine:
         return load_checkpoint(self, directory, allow_reshard=allow_reshard)
 
     # -- teardown ------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Remove every hook. Parameters stay as they are (stage 3: sharded)."""
+    def close(self, unshard: bool = False) -> None:
+        """Remove every hook.  Parameters stay as they are (stage 3: sharded) unless
+        ``unshard``: then every rank gets whole, independent parameters back (in the
+        compute dtype; the fp32 master values are used) and the model is an ordinary
+        module again.  Collective when ``unshard``."""
+        if unshard and not self._closed:
+            self._unshard()
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -66,8 +66,52 @@ def _clear_init_flags(module: nn.Module) -> None:
                 pass
 
 
+def _initialisers(model: nn.Module) -> Dict[int, nn.Module]:
+    """id(module) -> the innermost enclosing module with an ``_init_weights`` (the
+    transformers convention), so a model wrapped in e.g. a LightningModule still gets
+    its own initialiser."""
+    owner: Dict[int, nn.Module] = {}
+
+    def visit(m, current):
+        if hasattr(m, "_init_weights"):
+            current = m
+        if current is not None:
+            owner[id(m)] = current
+        for child in m.children():
+            visit(child, current)
+
+    visit(model, None)
+    return owner
+
+
+def _granules(model: nn.Module, todo: Set[int]):
+    """Subtrees initialised together: each repeated block (so inits a block applies to
+    its children, like GPT-2's scaled projection init, are kept), and otherwise each
+    module owning parameters directly.  Memory: one block at a time."""
+    from .planner import find_unit_module_classes
+
+    classes = set(find_unit_module_classes(model, ("auto",)))
+    covered: Set[int] = set()
+    out = []
+    for m in model.modules():
+        if m is not model and type(m).__name__ in classes and id(m) not in covered:
+            out.append(m)
+            covered.update(id(x) for x in m.modules())
+    for m in model.modules():
+        if id(m) not in covered and any(id(p) in todo for p in m.parameters(recurse=False)):
+            out.append(m)
+            covered.add(id(m))
+    return out
+
+
+def _post_order(module: nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
 def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = None) -> None:
-    """Initialise deferred parameters module by module (see the note above).
+    """Initialise deferred parameters one granule at a time (see the note above).
 
     ``only`` restricts the work to those parameter ids (the ones a pretrained file did
     not provide); the rest of ``pending`` is left for the caller."""
@@ -75,22 +119,38 @@ def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = No
     where = _locate(engine)
     untouched = {id(p) for p in engine.untouched.values()}
     todo = set(pending if only is None else only)
-    for module in model.modules():
-        params = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in todo]
-        if not params:
+    initialiser = _initialisers(model)
+    for granule in _granules(model, todo):
+        if not any(id(p) in todo for p in granule.parameters()):
             continue
+        # Every parameter of the granule gets scratch storage, also those already
+        # filled (e.g. from a pretrained file): an initialiser may write them all, and
+        # their real storage may be a released shard.  Only ``todo`` ones are kept.
+        params = list(granule.parameters())
         views = {}
-        for _, p in params:
+        for p in params:
             views[id(p)] = p.data
             dtype = where[id(p)][0].orig_dtypes[where[id(p)][1]] if id(p) in where else engine.orig_dtype_by_id.get(id(p), p.dtype)
             set_parameter_data(p, torch.empty(p.shape, dtype=dtype, device=device))
         with torch.no_grad():
-            _clear_init_flags(module)
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            if hasattr(model, "_init_weights"):
-                model._init_weights(module)
-        for _, p in params:
+            # Children before parents, as transformers' own apply() does.
+            for m in _post_order(granule):
+                own = [p for p in m.parameters(recurse=False) if id(p) in todo]
+                init = initialiser.get(id(m))
+                if own and not hasattr(m, "reset_parameters") and init is None:
+                    raise ValueError(
+                        f"cannot initialise the parameters of {type(m).__name__} built inside init_context(): it has no "
+                        "reset_parameters() and no enclosing _init_weights(); pass pretrained= weights or add reset_parameters()"
+                    )
+                _clear_init_flags(m)
+                if own and hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+                if init is not None:
+                    init._init_weights(m)
+        for p in params:
+            if id(p) not in todo:
+                set_parameter_data(p, views[id(p)])
+                continue
             if id(p) in where:
                 unit, i = where[id(p)]
                 unit.write_param_values(i, p.data.reshape(-1))
