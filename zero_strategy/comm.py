@@ -13,7 +13,7 @@ flags, norms) are counted under their own kind and excluded from ``paper_volume`
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -83,13 +83,14 @@ class Communicator:
             self.rank = dist.get_rank(process_group)
             self.world_size = dist.get_world_size(process_group)
         self._tally: Dict[str, _Tally] = defaultdict(_Tally)
-        # [Note: keeping finished work handles]
+        # [Note: keeping recent work handles]
         # A Work launched from inside backward captures thread-local autograd state
         # (a Python object).  If a gloo worker thread drops the last reference to it
-        # while the interpreter is shutting down, the process aborts.  So the engine
-        # keeps every handle for one more step and releases it from the main thread.
-        self._works_current: list = []
-        self._works_previous: list = []
+        # while the interpreter is shutting down, the process aborts.  So the main
+        # thread keeps the last few handles and releases each one only after several
+        # newer collectives were issued, long after its worker let go of it.  Only a
+        # few are kept because a handle also keeps its buffers alive.
+        self._recent_works: deque = deque(maxlen=4)
 
     # -- accounting --------------------------------------------------------------------
     def _count(self, kind: str, numel: int, element_size: int) -> None:
@@ -106,13 +107,8 @@ class Communicator:
 
     def _keep(self, work):
         if not isinstance(work, _DoneWork):
-            self._works_current.append(work)
+            self._recent_works.append(work)
         return work
-
-    def rotate_work_handles(self) -> None:
-        """Called once per optimizer step: drop handles that finished a step ago."""
-        self._works_previous = self._works_current
-        self._works_current = []
 
     # -- collectives ----------------------------------------------------------------------
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, async_op: bool = True):

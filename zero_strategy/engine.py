@@ -366,7 +366,6 @@ class ZeroEngine:
             self.scaler.update(True)
             self.last_step_skipped = True
             self.zero_grad()
-            self.comm.rotate_work_handles()
             return False
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping)
@@ -378,7 +377,6 @@ class ZeroEngine:
         self.last_step_skipped = False
         self.global_step += 1
         self.zero_grad()
-        self.comm.rotate_work_handles()
         return True
 
     def _all_gather_updated_params(self) -> None:
