@@ -164,8 +164,9 @@ def test_trainer_accumulation_and_clipping_match(tmp_path):
 def test_trainer_fp16_overflow_skips_step_and_scheduler(tmp_path):
     """16-mixed (also on CPU, where Lightning itself would fall back to bf16): dynamic
     loss scaling; an overflow skips the step on both ranks and the step LR scheduler
-    is not stepped for it.  Also: configure_model under stage 3; fit twice, test from a
-    new Trainer and a plain forward after fit; the standalone pytorch_lightning package
+    is not stepped for it.  Also: configure_model under stage 3 (built deferred,
+    materialised partitioned); fit twice, test from a new Trainer and a plain forward
+    after fit; "zero2_offload"/"zero3_offload"; the standalone pytorch_lightning package
     against its own ddp."""
     _scenario("misc", tmp_path)
     for tag in ("fp16-instance", "fp16-name"):
@@ -182,17 +183,24 @@ def test_trainer_fp16_overflow_skips_step_and_scheduler(tmp_path):
         assert recs[0]["scheduler_steps"] == n_ok, (recs[0]["scheduler_steps"], steps)
         assert recs[0]["final_lr"] == pytest.approx(1e-3 / (1 + 0.1 * n_ok))
         assert all(v == v and abs(v) < 1e3 for v in recs[0]["losses"])
-    # configure_model: built whole on every rank (the core has no init context yet),
-    # partitioned by the time training starts.
-    cm = _load(tmp_path, "configure_model-zero3")
-    assert cm["bytes_in_configure_model"] == cm["full_param_bytes"]
-    assert cm["param_bytes_at_fit_start"] < 0.6 * cm["full_param_bytes"], cm
+    # configure_model under stage 3: no parameter memory while building (deferred to the
+    # meta device), partitioned when training starts; ddp builds the whole model.
+    for r in (0, 1):
+        cm = _load(tmp_path, "configure_model-zero3", r)
+        assert cm["bytes_in_configure_model"] == 0, cm
+        assert cm["param_bytes_at_fit_start"] < 0.6 * cm["full_param_bytes"], cm
+    assert _load(tmp_path, "configure_model-ddp")["bytes_in_configure_model"] == cm["full_param_bytes"]
     for r in (0, 1):
         _assert_close_seq(_load(tmp_path, "configure_model-zero3", r)["losses"], _load(tmp_path, "configure_model-ddp", r)["losses"],
                           1e-5, 1e-7, "configure_model zero3 vs ddp")
         _assert_close_seq(_load(tmp_path, "pl-zero3", r)["losses"], _load(tmp_path, "pl-ddp", r)["losses"], 1e-5, 1e-7,
                           "pytorch_lightning zero3 vs ddp")
     _assert_state_close(_weights(tmp_path, "pl-zero3"), _weights(tmp_path, "pl-ddp"), 1e-5, 1e-6, "pytorch_lightning weights")
+    for s in ("zero2_offload", "zero3_offload"):
+        for r in (0, 1):
+            got = _load(tmp_path, f"offload-{s}", r)
+            assert got["offload"] == "cpu" and got["host_bytes"] > 0, got
+            _assert_close_seq(got["losses"], _load(tmp_path, "refit-ddp", r)["losses"][:4], 1e-5, 1e-7, f"{s} vs ddp")
     for r in (0, 1):
         got, ref = _load(tmp_path, "refit-zero3", r), _load(tmp_path, "refit-ddp", r)
         assert len(got["losses"]) == 8
@@ -262,7 +270,9 @@ def _classes(pl):
         def configure_model(self):
             if self.net is None:
                 self.net = self._build()
-                self.bytes_in_configure_model = sum(p.numel() * p.element_size() for p in self.parameters())
+                # Parameter memory allocated by building the model here (meta = none).
+                self.bytes_in_configure_model = sum(p.numel() * p.element_size() for p in self.parameters()
+                                                    if p.device.type != "meta")
 
         def forward(self, x):
             return self.net(x)
@@ -474,6 +484,15 @@ def scenario_misc(run):
         with torch.no_grad():
             out = model(torch.randn(3, 8, generator=torch.Generator().manual_seed(5))).float()
         run.dump(f"refit-{s}", trainer, losses=model.losses, test_loss=test_loss, forward=out.flatten().tolist())
+
+    # ZeRO-Offload names: optimizer state and step in host memory.
+    for s in ("zero2_offload", "zero3_offload"):
+        model = run.model()
+        trainer = run.trainer(s)
+        trainer.fit(model, _data(8))
+        report = trainer.strategy.engine.memory_report()
+        run.dump(f"offload-{s}", trainer, losses=model.losses, host_bytes=report.get("host", 0),
+                 offload=trainer.strategy.config.offload_optimizer)
 
     # The standalone pytorch_lightning package: separate classes, separate registry.
     import pytorch_lightning

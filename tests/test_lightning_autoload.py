@@ -99,7 +99,7 @@ def test_strategy_names_registered_without_importing_this_project():
         from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
         from lightning.fabric.strategies import STRATEGY_REGISTRY
         from lightning_fabric.strategies import STRATEGY_REGISTRY as LFRegistry
-        names = ("zero1", "zero2", "zero3", "zero")
+        names = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero")
         for registry in (StrategyRegistry, PLRegistry, STRATEGY_REGISTRY, LFRegistry):
             assert all(n in registry for n in names), registry
         assert "zero_strategy" not in sys.modules

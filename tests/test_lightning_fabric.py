@@ -20,8 +20,9 @@ WIDTH = 320
 @pytest.mark.slow
 def test_fabric_zero_matches_ddp_with_accumulation_clipping_and_checkpoint(tmp_path):
     """A hand-written Fabric loop (no_backward_sync accumulation, clip_gradients by norm,
-    two param groups) gives ddp's losses and weights for zero2 and zero3, and
-    fabric.save / fabric.load of the sharded state resumes exactly."""
+    two param groups) gives ddp's losses and weights for zero2 and zero3;
+    fabric.save / fabric.load of the sharded state resumes exactly; a model built
+    under fabric.init_module() with zero3 is materialised partitioned."""
     import torch
 
     _run(HERE, tmp_path)
@@ -37,6 +38,10 @@ def test_fabric_zero_matches_ddp_with_accumulation_clipping_and_checkpoint(tmp_p
             assert resumed["step"] == 4
             _assert_close_seq(resumed["losses"], got["losses"][8:], 1e-6, 1e-8, f"fabric {s} rank {r} resumed losses")
         _assert_state_close(torch.load(tmp_path / f"{s}.pt", weights_only=True), ref_w, 1e-5, 1e-6, f"fabric {s} weights")
+    for r in (0, 1):  # fabric.init_module(): nothing allocated while building, same training as ddp
+        got = json.loads((tmp_path / f"zero3-init.rank{r}.json").read_text())
+        assert got["built_bytes"] == 0 and 0 < got["param_bytes"] < 0.6 * got["full_bytes"], got
+        _assert_close_seq(got["losses"], ref[r]["losses"][:8], 1e-5, 1e-7, f"fabric init_module zero3 rank {r}")
 
 
 # ======================================================================================
@@ -121,6 +126,20 @@ def _main(out):
         losses = []
         _loop(fabric, model, optimizer, loader, losses, [], max_steps=4)
         (out / f"{s}-resumed.rank{fabric.global_rank}.json").write_text(json.dumps({"losses": losses, "step": state["step"]}))
+    # fabric.init_module() under zero3: parameters deferred, materialised partitioned by setup.
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="zero3")
+    fabric.launch()
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=False))
+    with fabric.init_module():
+        model, optimizer = build(0)
+    built_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    model, optimizer = fabric.setup(model, optimizer)
+    losses = []
+    _loop(fabric, model, optimizer, loader, losses, [], max_steps=4)
+    (out / f"zero3-init.rank{fabric.global_rank}.json").write_text(json.dumps(
+        {"losses": losses, "built_bytes": built_bytes, "param_bytes": fabric.strategy.engine.memory_report()["parameters"],
+         "full_bytes": sum(p.numel() * 4 for p in model.parameters())}))
+
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -41,8 +41,8 @@ class TinyGPT2(L.LightningModule):
         self.model = None
 
     def configure_model(self):
-        # Runs on every fit/validate/test: build once.  Under "zero3" the strategy
-        # partitions the parameters right after this hook.
+        # Runs on every fit/validate/test: build once.  Under "zero3" the parameters
+        # created here take no memory: the strategy materialises them partitioned.
         if self.model is not None:
             return
         from transformers import GPT2Config, GPT2LMHeadModel

@@ -1,6 +1,6 @@
 """Lightning integration: ``Trainer(strategy="zero3")`` and ``Fabric(strategy="zero3")``.
 
-Names "zero1", "zero2", "zero3" and "zero" are registered in every Lightning namespace
+Names "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload" and "zero" are registered in every Lightning namespace
 present (``lightning.pytorch``, ``pytorch_lightning``, ``lightning.fabric``,
 ``lightning_fabric``) by the start-up hook in ``zero_strategy_autoload`` as soon as the
 namespace's ``strategies`` package is imported -- the user's script imports nothing
@@ -59,10 +59,10 @@ class _LazyFactory:
 
 def _register(registry, kind: str, namespace: str) -> None:
     factory = _LazyFactory(kind, namespace)
-    for name, (stage, description) in STRATEGY_NAMES.items():
+    for name, (params, description) in STRATEGY_NAMES.items():
         if name in registry:
             continue  # never replace a user's own registration (or ours, twice)
-        registry.register(name, factory, description=description, stage=stage)
+        registry.register(name, factory, description=description, **params)
 
 
 def register_trainer_strategies(module=None) -> None:

@@ -10,7 +10,7 @@ overflow), ``fabric.clip_gradients`` (global norm over the shards, or by value),
 from __future__ import annotations
 
 import importlib
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -24,7 +24,9 @@ from ._common import (
     base_config,
     engine_of,
     engine_precision,
+    has_meta_parameters,
     initialize_engine,
+    partitioned_init,
     resolve_plugin_flag,
 )
 from .trainer import _backward_kwargs
@@ -47,7 +49,8 @@ def fabric_classes(namespace: str = "lightning.fabric") -> Tuple[type, type]:
 def _build(ns: str) -> Tuple[type, type]:
     imp = importlib.import_module
     ParallelStrategy = imp(f"{ns}.strategies.parallel").ParallelStrategy
-    BackwardSyncControl = imp(f"{ns}.strategies.strategy")._BackwardSyncControl
+    strategy_mod = imp(f"{ns}.strategies.strategy")
+    BackwardSyncControl, Sharded = strategy_mod._BackwardSyncControl, strategy_mod._Sharded
     Precision = imp(f"{ns}.plugins.precision").Precision
     SubprocessScriptLauncher = imp(f"{ns}.strategies.launchers.subprocess_script")._SubprocessScriptLauncher
     dist_utils = imp(f"{ns}.utilities.distributed")
@@ -76,7 +79,7 @@ def _build(ns: str) -> Tuple[type, type]:
                 return nullcontext()
             return engine.no_sync()
 
-    class ZeroFabricStrategy(ParallelStrategy):
+    class ZeroFabricStrategy(ParallelStrategy, Sharded):
         """ZeRO data parallelism (zero_strategy) for Lightning Fabric; options as ZeroStrategy."""
 
         def __init__(
@@ -205,21 +208,33 @@ def _build(ns: str) -> Tuple[type, type]:
         def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
             if len(optimizers) != 1:
                 raise ValueError(f"ZeroFabricStrategy sets up one module with exactly one optimizer, got {len(optimizers)}")
-            engine = self._remember(initialize_engine(module, optimizers[0], self._config()))
+            engine = self._remember(initialize_engine(module, optimizers[0], self._config(), device=self.root_device))
             return module, [engine.optimizer], scheduler
 
         def setup_module(self, module):
             """Evaluation only (no optimizer): the module is partitioned for inference."""
             if engine_of(module) is None:
-                self._remember(initialize_engine(module, None, self._config()))
+                self._remember(initialize_engine(module, None, self._config(), device=self.root_device))
             return module
 
         def setup_optimizer(self, optimizer):
             raise NotImplementedError(self._err_msg_joint_setup_required())
 
         def module_to_device(self, module) -> None:
-            if engine_of(module) is None:
+            if engine_of(module) is None and not has_meta_parameters(module):
                 module.to(self.root_device)
+
+        def module_init_context(self, empty_init: Optional[bool] = None):
+            """``fabric.init_module()``: under stage 3 parameters stay deferred (meta)
+            until ``fabric.setup`` materialises them partitioned on the device."""
+            stack = ExitStack()
+            stack.enter_context(self.root_device)
+            stack.enter_context(self.precision.module_init_context())
+            stack.enter_context(partitioned_init(self._config()))
+            return stack
+
+        def module_sharded_context(self):
+            return partitioned_init(self._config())
 
         def backward(self, tensor, module, *args, **kwargs) -> None:
             self.precision.pre_backward(tensor, module)
@@ -317,8 +332,8 @@ def _build(ns: str) -> Tuple[type, type]:
 
         @classmethod
         def register_strategies(cls, strategy_registry) -> None:
-            for name, (stage, description) in STRATEGY_NAMES.items():
-                strategy_registry.register(name, cls, description=description, override=True, stage=stage)
+            for name, (params, description) in STRATEGY_NAMES.items():
+                strategy_registry.register(name, cls, description=description, override=True, **params)
 
     ZeroFabricStrategy.__module__ = ZeroFabricPrecision.__module__ = __name__
     return ZeroFabricStrategy, ZeroFabricPrecision

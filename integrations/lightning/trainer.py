@@ -18,7 +18,9 @@ then ``backward`` -> ``engine.backward``, with the fp16 loss scale) -> clipping
 (``engine.clip_grad_norm_`` / ``clip_grad_value_``: global over the shards) ->
 ``engine.step()``.  Accumulation micro-batches run inside ``block_backward_sync`` ->
 ``engine.no_sync()``.  A step skipped for an fp16 overflow also skips the step-interval
-LR schedulers (see ``_guard_schedulers``).
+LR schedulers (see ``_guard_schedulers``).  Under stage 3, ``configure_model`` runs inside
+``zero_strategy.init_context()`` (``model_sharded_context``): parameters stay on the meta
+device until ``setup`` materialises them partitioned.
 """
 from __future__ import annotations
 
@@ -37,7 +39,9 @@ from ._common import (
     base_config,
     engine_of,
     engine_precision,
+    has_meta_parameters,
     initialize_engine,
+    partitioned_init,
     resolve_plugin_flag,
     split_client_state,
 )
@@ -261,7 +265,9 @@ def _build(ns: str) -> Tuple[type, type]:
 
         def model_to_device(self) -> None:
             module = self.lightning_module
-            if engine_of(module) is None:  # a partitioned module must not be moved
+            # A partitioned module must not be moved; a deferred one is materialised
+            # on the device by the engine.
+            if engine_of(module) is None and not has_meta_parameters(module):
                 module.to(self.root_device)
 
         def setup(self, trainer) -> None:
@@ -275,13 +281,13 @@ def _build(ns: str) -> Tuple[type, type]:
                 # same objects still partitioned by an earlier engine).
                 self.setup_optimizers(trainer)
                 optimizer = self._single_optimizer()
-                self._engine = initialize_engine(module, optimizer, config)
+                self._engine = initialize_engine(module, optimizer, config, device=self.root_device)
                 self.optimizers = [self._engine.optimizer]
                 self._guard_schedulers(module)
             else:
                 existing = engine_of(module)
                 same = existing is not None and (existing.config.stage, existing.config.precision) == (config.stage, config.precision)
-                self._engine = existing if same else initialize_engine(module, None, config)
+                self._engine = existing if same else initialize_engine(module, None, config, device=self.root_device)
             self.model = _StepRouter(module)
             self.setup_precision_plugin()
             self.barrier("ZeroStrategy.setup")
@@ -335,9 +341,10 @@ def _build(ns: str) -> Tuple[type, type]:
 
         @contextmanager
         def model_sharded_context(self):
-            # zero_strategy has no init context yet: models built in configure_model are
-            # whole on every rank until setup() partitions them right after.
-            yield
+            """Around ``configure_model``: under stage 3 the parameters created there stay
+            on the meta device until ``setup`` materialises them partitioned."""
+            with partitioned_init(self._resolved_config()):
+                yield
 
         # -- collectives -------------------------------------------------------------------
         def barrier(self, name: Optional[str] = None) -> None:
@@ -417,8 +424,8 @@ def _build(ns: str) -> Tuple[type, type]:
 
         @classmethod
         def register_strategies(cls, strategy_registry) -> None:
-            for name, (stage, description) in STRATEGY_NAMES.items():
-                strategy_registry.register(name, cls, description=description, override=True, stage=stage)
+            for name, (params, description) in STRATEGY_NAMES.items():
+                strategy_registry.register(name, cls, description=description, override=True, **params)
 
     ZeroStrategy.__module__ = ZeroPrecision.__module__ = __name__
     ZeroStrategy.__qualname__, ZeroPrecision.__qualname__ = "ZeroStrategy", "ZeroPrecision"
