@@ -250,7 +250,7 @@ class ZeroEngine:
             else:
                 self.comm.all_gather_for_state(full, src.to(unit.device).contiguous())
             for i, p in enumerate(unit.params):
-                p.data = unit.param_view(full, i).to(self.config.param_dtype, copy=True)
+                p.data = unit.param_view(full, i).to(unit.orig_dtypes[i], copy=True)
                 p.grad = None
         for u in self.trainable_units:
             u.optim_param.grad = None
@@ -475,8 +475,8 @@ class ZeroEngine:
     # -- teardown ------------------------------------------------------------------------------
     def close(self, unshard: bool = False) -> None:
         """Remove every hook.  Parameters stay as they are (stage 3: sharded) unless
-        ``unshard``: then every rank gets whole, independent parameters back (in the
-        compute dtype; the fp32 master values are used) and the model is an ordinary
+        ``unshard``: then every rank gets whole, independent parameters back, in their
+        original dtypes (from the fp32 master values), and the model is an ordinary
         module again.  Collective when ``unshard``."""
         if unshard and not self._closed:
             self._unshard()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import weakref
 from contextlib import contextmanager
 from typing import Any, Mapping, Optional
 
@@ -113,12 +112,14 @@ def resolve_plugin_flag(plugin_flag: str) -> str:
 # engines and the modules they manage
 # ----------------------------------------------------------------------------------------
 # A LightningModule keeps its engine across Trainer runs and across Trainers (its
-# parameters stay sharded after fit), so the next strategy must find it.
-_ENGINES: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+# parameters stay sharded after fit); the next strategy finds it with the core's
+# ``zero_strategy.engine_of``.
 
 
 def engine_of(module: torch.nn.Module):
-    return _ENGINES.get(module)
+    import zero_strategy
+
+    return zero_strategy.engine_of(module)
 
 
 def has_meta_parameters(module) -> bool:
@@ -126,56 +127,19 @@ def has_meta_parameters(module) -> bool:
 
 
 def initialize_engine(module, optimizer, config, device=None):
-    """``zero_strategy.initialize`` after giving every rank rank 0's values.
+    """``zero_strategy.initialize`` with every rank starting from rank 0's values
+    (``sync_module_states``, as DDP does at wrap time), after releasing an engine that
+    still manages ``module``.
 
     Parameters still on the meta device (built inside ``zero_strategy.init_context``)
     are materialised by the engine directly into shards on ``device``; their values come
-    from each module's initialiser run from the same seed on every rank."""
+    from each module's initialiser (or the innermost enclosing ``_init_weights``, e.g.
+    of a transformers model inside the LightningModule) run from the same seed on every
+    rank."""
     import zero_strategy
 
-    previous = _ENGINES.get(module)
-    if previous is not None:
-        release_engine(module)
-    sync_module_states(module)
-    with _nested_init_weights(module):
-        engine = zero_strategy.initialize(module, optimizer, config, device=device)
-    _ENGINES[module] = engine
-    return engine
-
-
-@contextmanager
-def _nested_init_weights(root):
-    """[Note: initialisers of wrapped models]
-    The engine materialises deferred parameters module by module with the module's
-    ``reset_parameters()`` and then ``root._init_weights(module)`` (the transformers
-    convention), looked up on the root only.  Here the root is the LightningModule or
-    the user's wrapper, and the transformers model inside it holds ``_init_weights``;
-    without it, modules like transformers' Conv1D (no ``reset_parameters``) would keep
-    uninitialised memory.  For the duration of ``initialize`` the root gets an
-    ``_init_weights`` that calls the innermost enclosing submodule's.  (Belongs in the
-    core: see the integration's report.)"""
-    if callable(getattr(root, "_init_weights", None)) or not has_meta_parameters(root):
-        yield
-        return
-    owner = {}
-    for m in root.modules():  # pre-order: inner owners overwrite outer ones
-        if m is not root and callable(getattr(m, "_init_weights", None)):
-            for d in m.modules():
-                owner[id(d)] = m
-    if not owner:
-        yield
-        return
-
-    def _init_weights(module):
-        o = owner.get(id(module))
-        if o is not None:
-            o._init_weights(module)
-
-    root.__dict__["_init_weights"] = _init_weights
-    try:
-        yield
-    finally:
-        root.__dict__.pop("_init_weights", None)
+    release_engine(module)
+    return zero_strategy.initialize(module, optimizer, config, device=device, sync_module_states=True)
 
 
 @contextmanager
@@ -194,13 +158,25 @@ def partitioned_init(config):
 
 
 def release_engine(module) -> None:
-    """Give ``module`` back its whole parameters and drop its engine.
+    """Give ``module`` back its whole parameters and drop its engine (collective).
 
     Needed when a new optimizer arrives (every ``fit`` calls configure_optimizers) while
-    the module is still partitioned by an earlier engine.  Uses only the public API:
-    the consolidated state dict, then plain parameter assignment."""
-    engine = _ENGINES.pop(module, None)
+    the module is still partitioned by an earlier engine.
+
+    [Note: releasing under mixed precision]
+    ``engine.close(unshard=True)`` hands the parameters back in the engine's compute
+    dtype.  When that is every parameter's original dtype (fp32 training, or a model
+    already in 16-bit) it is exactly the consolidated state, and it is used.  Under
+    bf16/fp16 mixed precision it would round the fp32 master weights (and leave frozen
+    parameters in 16 bits) for the next engine, so there the parameters are restored
+    from the consolidated state dict in their original dtypes instead."""
+    engine = engine_of(module)
     if engine is None:
+        return
+    compute = engine.config.param_dtype
+    original = engine.orig_dtype_by_id
+    if all(original.get(id(p), p.dtype) == compute for p in module.parameters() if p.is_floating_point()):
+        engine.close(unshard=True)
         return
     full = engine.full_state_dict(rank0_only=False)
     engine.close()
@@ -216,30 +192,6 @@ def _engine_device(engine) -> torch.device:
     for p in engine.module.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def sync_module_states(module) -> None:
-    """Rank 0's initial parameters and buffers on every rank, as DDP does at wrap time
-    (the engine takes each rank's values as they are)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    if not has_meta_parameters(module):
-        try:  # bucketed broadcasts, as DDP's constructor does
-            from torch.distributed.utils import _sync_module_states
-
-            _sync_module_states(module, dist.group.WORLD, 250 * 1024 * 1024, 0, set())
-            return
-        except (ImportError, TypeError):
-            pass
-    with torch.no_grad():
-        seen = set()
-        for t in list(module.parameters()) + list(module.buffers()):
-            if id(t) in seen or t.device.type == "meta":
-                continue
-            seen.add(id(t))
-            dist.broadcast(t.data, src=0)
 
 
 def split_client_state(checkpoint: Mapping[str, Any]) -> dict:
