@@ -38,13 +38,15 @@ from .precision import LossScaler
 STATE_FORMAT = "zero_strategy.rank_state/1"
 
 
-# Which engine manages which module (weak: an engine does not keep a model alive).
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
+# Which engine manages which module.  Weak both ways: the engine holds its module, so a
+# strong value would keep every model (and its process group) alive until exit.
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def engine_of(module: nn.Module) -> Optional["ZeroEngine"]:
     """The open ZeroEngine managing ``module``, or None."""
-    engine = _ENGINES.get(module)
+    ref = _ENGINES.get(module)
+    engine = ref() if ref is not None else None
     return engine if engine is not None and not engine._closed else None
 
 
@@ -98,8 +100,8 @@ class ZeroEngine:
         if cfg.offload_optimizer == "cpu" and cfg.stage == 0:
             raise ValueError("offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
 
-        existing = _ENGINES.get(model)
-        if existing is not None and not existing._closed:
+        existing = engine_of(model)
+        if existing is not None:
             raise ValueError(
                 f"this {type(model).__name__} is already managed by a ZeroEngine; call engine.close() on that one "
                 "first (engine_of(model) returns it)"
@@ -178,7 +180,7 @@ class ZeroEngine:
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
 
         self._handles = register_hooks(self)
-        _ENGINES[model] = self
+        _ENGINES[model] = weakref.ref(self)
         self._undo_checkpointing = (
             apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.offload_activations)
             if cfg.activation_checkpointing

@@ -45,6 +45,7 @@ def parse_args():
     p.add_argument("--save-model", default=None, help="save_model + save_pretrained the final weights here")
     p.add_argument("--inf-at", type=int, default=None, help="make this step's loss infinite (overflow test)")
     p.add_argument("--track-weights", action="store_true", help="record a checksum of get_state_dict per step")
+    p.add_argument("--prepare-separately", action="store_true", help="prepare the model, then the rest")
     p.add_argument("--out", default=None, help="write the results as JSON here (main process)")
     return p.parse_args()
 
@@ -78,7 +79,11 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95**s)
     per_step = args.batch_size * args.accum * accelerator.num_processes
     loader = DataLoader(make_dataset(per_step * args.steps), batch_size=args.batch_size, shuffle=False)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    if args.prepare_separately:
+        model = accelerator.prepare(model)
+        optimizer, loader, scheduler = accelerator.prepare(optimizer, loader, scheduler)
+    else:
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     if args.resume_from:
         accelerator.load_state(args.resume_from)

@@ -52,6 +52,9 @@ def main():
     p.add_argument("--max-grad-norm", type=float, default=0.5)
     p.add_argument("--resume", default=None, help="a checkpoint folder name inside --output-dir")
     p.add_argument("--final-model", default=None, help="trainer.save_model() here at the end")
+    p.add_argument("--reload-first-checkpoint", action="store_true",
+                   help="load_best_model_at_end, ranking by the highest eval loss: as the loss falls, "
+                        "this reloads the first checkpoint's weights at the end (a visible reload)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -76,6 +79,9 @@ def main():
         eval_steps=args.save_steps,
         save_strategy="steps",
         save_steps=args.save_steps,
+        load_best_model_at_end=args.reload_first_checkpoint,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
         report_to=[],
         disable_tqdm=True,
         seed=0,
@@ -89,6 +95,7 @@ def main():
     )
     resume = os.path.join(args.output_dir, args.resume) if args.resume else None
     trainer.train(resume_from_checkpoint=resume)
+    history = list(trainer.state.log_history)  # before the final evaluate() adds to it
     metrics = trainer.evaluate()
     if args.final_model:
         trainer.save_model(args.final_model)
@@ -102,7 +109,6 @@ def main():
     generations = gather_object([{"prompt": prompt[0].tolist(), "tokens": generated[0].tolist()}])
 
     if trainer.is_world_process_zero() and args.out:
-        history = trainer.state.log_history
         with open(args.out, "w") as f:
             json.dump(
                 {

@@ -97,16 +97,18 @@ def _as_bool(key: str, value: Any) -> bool:
     raise _error(key, f"must be true or false, got {value!r}")
 
 
-def _check_offload(key: str, value: Any) -> None:
+def _offload_device(key: str, value: Any) -> str:
     device = "none" if value is None else str(value).strip().lower()
     if device not in _OFFLOAD_DEVICES:
         raise _error(key, f"must be one of {', '.join(_OFFLOAD_DEVICES)}, got {value!r}")
-    if device != "none":
+    supported = ("none", "cpu") if key == "offload_optimizer_device" else ("none",)
+    if device not in supported:
+        what = "optimizer-state offload to NVMe" if key == "offload_optimizer_device" else "parameter offload"
         raise _error(
             key,
-            f"offloading to {device!r} is not implemented yet in zero_strategy; "
-            f"set {key}: none (or remove the key)",
+            f"{what} is not implemented in zero_strategy; use {' or '.join(supported)}",
         )
+    return device
 
 
 def parse_section(section: Any) -> ZeroSettings:
@@ -134,8 +136,10 @@ def parse_section(section: Any) -> ZeroSettings:
             close = difflib.get_close_matches(str(key), keys, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else f"valid keys are: {', '.join(keys)}"
             raise ValueError(f"unknown {SECTION} key {key!r}; {hint}")
-        if key in ("offload_optimizer_device", "offload_param_device"):
-            _check_offload(key, value)
+        if key == "offload_optimizer_device":
+            engine["offload_optimizer"] = _offload_device(key, value)
+        elif key == "offload_param_device":
+            _offload_device(key, value)
         elif key in flags:
             flags[key] = _as_bool(key, value)
         elif key == "zero_stage":
@@ -143,8 +147,9 @@ def parse_section(section: Any) -> ZeroSettings:
         else:
             assert key in engine_fields
             engine[key] = value
-    if "zero_stage" in section and "stage" in section and section["zero_stage"] != section["stage"]:
-        raise _error("zero_stage", f"{section['zero_stage']!r} disagrees with stage: {section['stage']!r}; give one of them")
+    for plugin_key, core_key in (("zero_stage", "stage"), ("offload_optimizer_device", "offload_optimizer")):
+        if plugin_key in section and core_key in section and str(section[plugin_key]).lower() != str(section[core_key]).lower():
+            raise _error(plugin_key, f"{section[plugin_key]!r} disagrees with {core_key}: {section[core_key]!r}; give one of them")
     # Let the core check every value now (with some precision; the real one comes later).
     from zero_strategy.config import ZeroConfig
 

@@ -6,59 +6,33 @@ gets a ``zero_checkpoint/`` sub-folder holding every rank's shard of the model s
 (RNG states, scheduler, sampler, trainer state, consolidated weights) is written by
 Accelerate / the Trainer as usual.
 
-The sharded format belongs to the core: ``engine.save_checkpoint`` /
-``engine.load_checkpoint`` when the core has them, else one
-``zero_rank<r>.pt`` file per rank with ``engine.state_dict()``.
+The sharded format is the core's (``engine.save_checkpoint`` / ``load_checkpoint``,
+docs/checkpoints.md).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, Optional
+from typing import Dict
 
 import torch
 
 CHECKPOINT_SUBDIR = "zero_checkpoint"
 
 
-def _rank_file(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"zero_rank{rank}.pt")
+def save_engine(engine, folder: str) -> None:
+    """Collective: every rank writes its shard into ``folder/zero_checkpoint``."""
+    engine.save_checkpoint(os.path.join(folder, CHECKPOINT_SUBDIR))
 
 
-def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def save_engine(engine, directory: str, rank: int, client_state: Optional[dict] = None) -> None:
-    """Collective: every rank writes its shard into ``directory``."""
-    if hasattr(engine, "save_checkpoint"):
-        engine.save_checkpoint(directory, client_state=client_state)
-        return
-    os.makedirs(directory, exist_ok=True)
-    path = _rank_file(directory, rank)
-    torch.save({"engine": engine.state_dict(), "client_state": client_state}, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    _barrier()
-
-
-def load_engine(engine, directory: str, rank: int) -> Any:
-    """Every rank restores its shard from ``directory``; returns the saved client state."""
-    path = _rank_file(directory, rank)
-    if os.path.isfile(path):
-        data = torch.load(path, map_location="cpu", weights_only=True)
-        engine.load_state_dict(data["engine"])
-        return data.get("client_state")
-    if hasattr(engine, "load_checkpoint") and os.path.isdir(directory):
-        return engine.load_checkpoint(directory)
-    raise FileNotFoundError(
-        f"no ZeRO checkpoint for rank {rank} in {directory!r}: it was not saved with zero_config "
-        f"at this world size (or the folder is incomplete)"
-    )
-
-
-def has_engine_checkpoint(folder: str) -> bool:
-    return os.path.isdir(os.path.join(folder, CHECKPOINT_SUBDIR))
+def load_engine(engine, folder: str):
+    """Collective: every rank restores its shard from ``folder/zero_checkpoint``."""
+    directory = os.path.join(folder, CHECKPOINT_SUBDIR)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"{folder!r} has no {CHECKPOINT_SUBDIR}/: it was not saved by a run with a zero_config section"
+        )
+    return engine.load_checkpoint(directory)
 
 
 def read_consolidated_weights(folder: str) -> Dict[str, torch.Tensor]:

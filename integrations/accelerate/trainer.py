@@ -52,7 +52,7 @@ def _save_optimizer_and_scheduler(original, self, output_dir):
     engine = _engine(self)
     if engine is None:
         return original(self, output_dir)
-    _state.save_engine(engine, os.path.join(output_dir, _state.CHECKPOINT_SUBDIR), self.args.process_index)
+    _state.save_engine(engine, output_dir)
     if self.args.should_save and self.lr_scheduler is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's "save the optimizer too" reminder
@@ -63,7 +63,7 @@ def _load_optimizer_and_scheduler(original, self, checkpoint):
     engine = _engine(self)
     if engine is None or checkpoint is None:
         return original(self, checkpoint)
-    _state.load_engine(engine, os.path.join(checkpoint, _state.CHECKPOINT_SUBDIR), self.args.process_index)
+    _state.load_engine(engine, checkpoint)
     scheduler_file = os.path.join(checkpoint, _SCHEDULER_NAME)
     if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
         self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
