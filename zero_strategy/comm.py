@@ -13,6 +13,9 @@ flags, norms) are counted under their own kind and excluded from ``paper_volume`
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -70,6 +73,31 @@ class _DoneWork:
         return True
 
 
+_LIVE_COMMUNICATORS: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_cleanly() -> None:
+    """At interpreter exit, before finalisation: tear down gloo process groups while
+    the main thread still holds the last work handles, so no gloo thread frees a
+    Python object after the interpreter has started shutting down (that aborts the
+    process with "terminate called without an active exception").  NCCL groups are
+    left to their owner: destroying them with peers gone can block."""
+    comms = list(_LIVE_COMMUNICATORS)
+    if not comms:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+            for c in comms:
+                c.group = None
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - never fail at exit
+        pass
+    for c in comms:
+        c._recent_works.clear()
+    gc.collect()
+
+
 class Communicator:
     """Owns the process group handle and the traffic tally. Never decides *when* to talk."""
 
@@ -91,6 +119,7 @@ class Communicator:
         # newer collectives were issued, long after its worker let go of it.  Only a
         # few are kept because a handle also keeps its buffers alive.
         self._recent_works: deque = deque(maxlen=4)
+        _LIVE_COMMUNICATORS.add(self)
 
     # -- accounting --------------------------------------------------------------------
     def _count(self, kind: str, numel: int, element_size: int) -> None:
