@@ -34,8 +34,7 @@ from .materialize import initialize_deferred, load_pretrained, meta_parameter_id
 from .optimizer import ZeroOptimizer, repoint_optimizer
 from .planner import plan_partitioned_params, plan_replicated_params
 from .precision import LossScaler
-
-STATE_FORMAT = "zero_strategy.rank_state/1"
+from .reducer import GradientReducer
 
 
 # Which engine manages which module.  Weak both ways: the engine holds its module, so a
@@ -153,8 +152,6 @@ class ZeroEngine:
                 per_group.setdefault(u.group_index, []).append(u.optim_param)
             repoint_optimizer(optimizer, per_group)
             self.optimizer = ZeroOptimizer(self)
-
-        from .reducer import GradientReducer
 
         largest = max((u.layout.padded_numel for u in self.trainable_units), default=0)
         self.reducer = GradientReducer(
