@@ -188,3 +188,40 @@ def test_missing_keys_are_initialised_reproducibly(tmp_path):
     for k in a[1]:
         assert torch.equal(a[1][k], b[1][k]), k
     assert torch.equal(a[1]["transformer.h.1.attn.c_attn.weight"], sd["transformer.h.1.attn.c_attn.weight"])
+
+
+def _prefix_worker(rank, ws, path):
+    import zero_strategy
+    from transformers import GPT2LMHeadModel
+
+    _quiet()
+    with zero_strategy.init_context():
+        model = GPT2LMHeadModel(_gpt2_config())
+    zero_strategy.keep_meta_on_moves(model)
+    model.to("cpu").float()  # what frameworks do before handing the model over: must not fail
+    assert all(p.is_meta for p in model.parameters())
+    engine = zero_strategy.initialize(model, None, dict(stage=3, param_persistence_threshold=0), pretrained=path)
+    assert "_apply" not in model.__dict__  # initialize removed the move shim
+    return dict(sd=engine.full_state_dict(), report=engine.last_load_report)
+
+
+@pytest.mark.slow
+def test_head_model_loads_a_base_model_checkpoint_by_its_prefix(tmp_path):
+    """GPT2LMHeadModel names 'transformer.h.0...'; a GPT2Model checkpoint says 'h.0...'."""
+    from transformers import GPT2Model
+
+    _quiet()
+    torch.manual_seed(7)
+    base = GPT2Model(_gpt2_config())
+    base.save_pretrained(tmp_path / "base")
+    expected = {f"transformer.{k}": v for k, v in base.state_dict().items()}
+    results = run_distributed(_prefix_worker, 2, str(tmp_path / "base"))
+    for r in results[:1]:  # the consolidated state dict is on rank 0
+        assert r["report"]["missing"] == [] and r["report"]["unexpected"] == []
+        for k, v in expected.items():
+            if k in r["sd"]:
+                assert torch.equal(r["sd"][k], v), k
+        # the tied head takes the checkpoint's embeddings
+        tied = r["sd"]["transformer.wte.weight"] if "transformer.wte.weight" in r["sd"] else r["sd"]["lm_head.weight"]
+        assert torch.equal(tied, base.wte.weight.detach())
+        assert sum(k in r["sd"] for k in expected) >= len(expected) - 1  # all compared (but one tied name)

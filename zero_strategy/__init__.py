@@ -12,7 +12,7 @@ from typing import Optional
 from .config import ZeroConfig
 from .estimate import MemoryEstimate, estimate
 from .engine import ZeroEngine, engine_of
-from .materialize import init_context
+from .materialize import init_context, keep_meta_on_moves
 from .checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "estimate",
     "MemoryEstimate",
     "init_context",
+    "keep_meta_on_moves",
     "CheckpointError",
     "consolidate",
     "load_consolidated_state_dict",

@@ -30,7 +30,7 @@ from .config import ZeroConfig
 from .flat_unit import FlatUnit
 from .gather import ModuleGroup, ParameterGatherer
 from .hooks import cast_floating_inputs, register_hooks
-from .materialize import initialize_deferred, load_pretrained, meta_parameter_ids
+from .materialize import forget_meta_moves, initialize_deferred, load_pretrained, meta_parameter_ids
 from .optimizer import ZeroOptimizer, repoint_optimizer
 from .planner import plan_partitioned_params, plan_replicated_params
 from .precision import LossScaler
@@ -94,6 +94,7 @@ class ZeroEngine:
         self._callback_queued = False
         self._master_grads_ready = False
         self._closed = False
+        self.last_load_report: Optional[Dict[str, list]] = None  # from pretrained=: missing / unexpected names
         cfg = self.config
         compute_dtype = cfg.param_dtype
         if cfg.offload_optimizer == "cpu" and cfg.stage == 0:
@@ -185,12 +186,13 @@ class ZeroEngine:
         )
 
         if pending and self.device.type != "meta":
+            forget_meta_moves(model)
             if pretrained is not None:
-                load_pretrained(self, pretrained, pending)
+                self.last_load_report = load_pretrained(self, pretrained, pending)
             else:
                 initialize_deferred(self, pending)
         elif pretrained is not None:
-            load_pretrained(self, pretrained)
+            self.last_load_report = load_pretrained(self, pretrained)
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:

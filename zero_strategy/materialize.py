@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import types
 from pathlib import Path
-from typing import Dict, Iterator, Optional, Set
+from typing import Callable, Dict, Iterator, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -46,6 +47,34 @@ def init_context() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original
+
+
+def _apply_keeping_meta(self: nn.Module, fn, recurse: bool = True):
+    def convert(t):
+        if t.device.type != "meta":
+            return fn(t)
+        try:
+            return fn(t)  # dtype changes work on meta tensors
+        except NotImplementedError:  # "cannot copy out of meta tensor": a device move
+            return t
+
+    return type(self)._apply(self, convert, recurse)
+
+
+def keep_meta_on_moves(model: nn.Module) -> None:
+    """Let ``model.to(device)`` / ``.cuda()`` / ``.float()`` run on a model built inside
+    :func:`init_context`: parameters still on the meta device stay there (``initialize``
+    places them), everything else moves as usual.  Frameworks move models to their device
+    before handing them over (the transformers Trainer does); without this such a move
+    fails with "Cannot copy out of meta tensor".  ``initialize`` undoes it."""
+    # A bound method of a module-level function, so that copy.deepcopy rebinds it to the copy.
+    model._apply = types.MethodType(_apply_keeping_meta, model)
+
+
+def forget_meta_moves(model: nn.Module) -> None:
+    bound = model.__dict__.get("_apply")
+    if isinstance(bound, types.MethodType) and bound.__func__ is _apply_keeping_meta:
+        del model.__dict__["_apply"]
 
 
 def meta_parameter_ids(model: nn.Module) -> Set[int]:
@@ -202,6 +231,27 @@ def _read_flat_range(handle, key: str, start: int, end: int) -> torch.Tensor:
     return block[start - r0 * row : end - r0 * row]
 
 
+def _key_resolver(model_names, file_keys) -> Callable[[str], Optional[str]]:
+    """name in the model -> key in the files.  Keys normally match; a checkpoint saved from
+    the model's inner module (keys without the model's first name component, e.g. a
+    causal-LM head model loading a base-model checkpoint) or from a wrapper (keys with one
+    extra leading component) is matched by that one prefix."""
+    def exact(n):
+        return n if n in file_keys else None
+
+    if any(n in file_keys for n in model_names):
+        return exact
+    for n in model_names:
+        head, _, rest = n.partition(".")
+        if rest and rest in file_keys:
+            strip = head + "."
+            return lambda n: exact(n[len(strip):]) if n.startswith(strip) else None
+    for head in sorted({k.partition(".")[0] for k in file_keys if "." in k}):
+        if any(f"{head}.{n}" in file_keys for n in model_names):
+            return lambda n: exact(f"{head}.{n}")
+    return exact
+
+
 def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[str, list]:
     """Fill the engine's parameters from safetensors weights, each rank reading only
     what it keeps; parameters missing from the files are initialised reproducibly
@@ -218,11 +268,14 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
         with safe_open(str(f), framework="pt") as h:
             yield h
 
+    buffer_names = [n for n, _ in engine.module.named_buffers()]
+    model_names = [n for u in engine.units for names in u.names for n in names] + list(engine.untouched) + buffer_names
+    key_of = _key_resolver(model_names, files)
     used, missing = set(), []
     not_provided: Set[int] = set()
     for unit in engine.units:
         for i, names in enumerate(unit.names):
-            key = next((n for n in names if n in files), None)
+            key = next((key_of(n) for n in names if key_of(n) is not None), None)
             if key is None:
                 missing.append(names[0])
                 not_provided.add(id(unit.params[i]))
@@ -239,21 +292,23 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
             unit.write_param_values(i, values.to(torch.float32), start=a)
     with torch.no_grad():
         for name, p in engine.untouched.items():
-            if name in files:
+            key = key_of(name)
+            if key is not None:
                 if p.device.type == "meta":
                     set_parameter_data(p, torch.empty(p.shape, dtype=engine.config.param_dtype, device=engine.device))
                     (pending or set()).discard(id(p))
-                with handle(files[name]) as h:
-                    p.copy_(h.get_tensor(name))
-                used.add(name)
+                with handle(files[key]) as h:
+                    p.copy_(h.get_tensor(key))
+                used.add(key)
             else:
                 missing.append(name)
                 not_provided.add(id(p))
         for name, b in engine.module.named_buffers():
-            if name in files:
-                with handle(files[name]) as h:
-                    b.copy_(h.get_tensor(name))
-                used.add(name)
+            key = key_of(name)
+            if key is not None:
+                with handle(files[key]) as h:
+                    b.copy_(h.get_tensor(key))
+                used.add(key)
     if pending:
         provided = pending - not_provided
         pending -= provided

@@ -25,7 +25,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 VOCAB = 64
 SEQ_LEN = 16
@@ -46,6 +46,8 @@ def parse_args():
     p.add_argument("--inf-at", type=int, default=None, help="make this step's loss infinite (overflow test)")
     p.add_argument("--track-weights", action="store_true", help="record a checksum of get_state_dict per step")
     p.add_argument("--prepare-separately", action="store_true", help="prepare the model, then the rest")
+    p.add_argument("--from-pretrained", default=None,
+                   help="start from a saved model (AutoModelForCausalLM.from_pretrained) instead of a fresh one")
     p.add_argument("--out", default=None, help="write the results as JSON here (main process)")
     return p.parse_args()
 
@@ -69,7 +71,9 @@ def main():
     args = parse_args()
     accelerator = Accelerator(gradient_accumulation_steps=args.accum)
     set_seed(0)
-    model = build_model()
+    model = AutoModelForCausalLM.from_pretrained(args.from_pretrained) if args.from_pretrained else build_model()
+    # With zero3_init_flag, from_pretrained left the parameters unallocated (meta).
+    built_on_meta = gather_object([any(p.is_meta for p in model.parameters())])
     original = model
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -121,6 +125,7 @@ def main():
         if step == args.steps:
             break
 
+    results["built_on_meta"] = built_on_meta
     results["unwrap_is_model"] = gather_object([accelerator.unwrap_model(model) is original])
     if args.save_model:
         accelerator.save_model(model, f"{args.save_model}/save_model")

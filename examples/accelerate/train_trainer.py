@@ -21,7 +21,7 @@ import os
 
 import torch
 from accelerate.utils import gather_object
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
 VOCAB = 64
 SEQ_LEN = 16
@@ -55,6 +55,8 @@ def main():
     p.add_argument("--reload-first-checkpoint", action="store_true",
                    help="load_best_model_at_end, ranking by the highest eval loss: as the loss falls, "
                         "this reloads the first checkpoint's weights at the end (a visible reload)")
+    p.add_argument("--from-pretrained", default=None,
+                   help="start from a saved model (AutoModelForCausalLM.from_pretrained) instead of a fresh one")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -63,7 +65,12 @@ def main():
         vocab_size=VOCAB, n_positions=SEQ_LEN + 16, n_embd=32, n_layer=2, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
-    model = GPT2LMHeadModel(config)
+    if args.from_pretrained:
+        model = AutoModelForCausalLM.from_pretrained(args.from_pretrained)
+    else:
+        model = GPT2LMHeadModel(config)
+    # With zero3_init_flag, from_pretrained left the parameters unallocated (meta).
+    built_on_meta = any(p.is_meta for p in model.parameters())
     training_args = TrainingArguments(
         output_dir=args.output_dir,
         per_device_train_batch_size=4,
@@ -107,6 +114,7 @@ def main():
     model.eval()
     generated = model.generate(prompt, max_new_tokens=3 + 4 * rank, do_sample=False, pad_token_id=0)
     generations = gather_object([{"prompt": prompt[0].tolist(), "tokens": generated[0].tolist()}])
+    built_on_meta = gather_object([built_on_meta])
 
     if trainer.is_world_process_zero() and args.out:
         with open(args.out, "w") as f:
@@ -118,6 +126,7 @@ def main():
                     "final_eval_loss": metrics["eval_loss"],
                     "generations": generations,
                     "accelerator_class": type(trainer.accelerator).__name__,
+                    "built_on_meta": built_on_meta,
                     "num_processes": trainer.args.world_size,
                 },
                 f,

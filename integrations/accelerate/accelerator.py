@@ -47,6 +47,7 @@ from accelerate.accelerator import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import extract_model_from_parallel
 
+from . import pretrained as _pretrained
 from . import settings as _settings
 from . import state as _state
 
@@ -83,6 +84,7 @@ class ZeroAccelerator(Accelerator):
             self.zero_settings = _settings.from_environment() or _settings.parse_section({})
         _settings.check_distributed_type(self.distributed_type)
         self.zero_config = self.zero_settings.zero_config(self.state.mixed_precision)
+        _pretrained.enable(self.zero_settings)
         # The engine casts parameters and inputs itself: no autocast, no GradScaler.
         self.native_amp = False
         self.scaler = None
@@ -155,8 +157,14 @@ class ZeroAccelerator(Accelerator):
             model.to(self.device)
         import zero_strategy
 
-        # sync_module_states: every rank starts from rank 0's values, as DDP does.
-        self._zero_engine = engine = zero_strategy.initialize(model, optimizer, self.zero_config, sync_module_states=True)
+        # sync_module_states: every rank starts from rank 0's values, as DDP does.  A model
+        # from a partitioned from_pretrained (zero3_init_flag) is filled from its files now.
+        source = _pretrained.source_of(model)
+        self._zero_engine = engine = zero_strategy.initialize(
+            model, optimizer, self.zero_config, sync_module_states=True, device=self.device, pretrained=source
+        )
+        if source is not None:
+            self._zero_report_loading(model, source, engine.last_load_report)
         atexit.register(_release_process_group, weakref.ref(engine))
         if engine.config.shards_parameters:
             # transformers' generate() (and a few speech models) then keep every rank
@@ -166,6 +174,18 @@ class ZeroAccelerator(Accelerator):
         if guard is not None:
             guard.remove()
         self._zero_pending = [m for m in self._zero_pending if m is not model]
+
+    def _zero_report_loading(self, model, source, report) -> None:
+        # What the stock from_pretrained would have said about the checkpoint.
+        if not self.is_main_process or not report:
+            return
+        if report.get("missing"):
+            warnings.warn(
+                f"Some weights of {type(model).__name__} were not in {source} and were newly initialised: "
+                f"{report['missing']}. You should probably train this model before using it for predictions."
+            )
+        if report.get("unexpected"):
+            warnings.warn(f"Some weights in {source} were not used by {type(model).__name__}: {report['unexpected']}")
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if self.zero_engine_for(model) is not None:

@@ -62,6 +62,11 @@ def _run(argv: List[str]) -> None:
             "`python -m integrations.accelerate.run launch --config_file <config with zero_config:> ...`"
         )
     hooks.install_accelerator()
+    # The same import hooks the .pth file would install (zero3_init_flag needs the one on
+    # transformers.modeling_utils, which the script has not imported yet).
+    import zero_strategy_autoload
+
+    zero_strategy_autoload.install()
     if argv[0] == "-m":
         if len(argv) < 2:
             raise SystemExit(_USAGE)

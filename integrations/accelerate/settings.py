@@ -66,8 +66,8 @@ class ZeroSettings:
     """ZeroConfig fields (without ``precision``, which comes from ``mixed_precision``)."""
 
     zero3_init_flag: bool = False
-    """Accepted for DeepSpeed-config compatibility; partitioned construction is not
-    implemented yet, so the model is built whole and partitioned by ``prepare``."""
+    """Stage 3: ``from_pretrained`` builds the model unallocated and ``prepare`` loads each
+    rank's slice of the weights (:mod:`integrations.accelerate.pretrained`)."""
 
     zero3_save_16bit_model: bool = False
     """``get_state_dict`` / ``save_model`` / the Trainer's checkpoints write floating-point
