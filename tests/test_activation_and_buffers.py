@@ -141,3 +141,36 @@ def test_stage_0_and_1_gradients_are_views_of_one_preallocated_flat_buffer():
                 assert all(p.grad.untyped_storage().data_ptr() == base for p in u.params)
             engine.step()
         engine.close()
+
+
+def test_offloaded_checkpoints_come_back_one_block_ahead_of_backward():
+    """Blocks sharing an OffloadSchedule: every recomputation but the first one of
+    backward finds its inputs already brought back, gradients equal the plain run, and
+    nothing stays registered after backward."""
+    from zero_strategy.activation import OffloadSchedule, checkpointed
+
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)) for _ in range(4)]
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run(forwards):
+        h = x
+        for f in forwards:
+            h = f(h) + h
+        h.pow(2).sum().backward()
+        grads = [p.grad.clone() for b in blocks for p in b.parameters()] + [x.grad.clone()]
+        for b in blocks:
+            b.zero_grad(set_to_none=True)
+        x.grad = None
+        return grads
+
+    expected = run([b.forward for b in blocks])
+    schedule = OffloadSchedule()
+    wrapped = [checkpointed(b.forward, offload=True, schedule=schedule) for b in blocks]
+    for iteration in range(2):
+        got = run(wrapped)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+        assert schedule.fetches == 4 * (iteration + 1)
+        assert schedule.prefetch_hits == 3 * (iteration + 1)
+        assert len(schedule._live) == 0

@@ -3,10 +3,12 @@
 Each chosen block's forward runs under torch's non-reentrant activation checkpoint:
 only the block's inputs (the *activation checkpoints*) are kept between forward and
 backward, and the block is recomputed when backward reaches it.  With
-``offload_activations`` those inputs are stored as host copies and moved back to the
-device for the recomputation (P_a+cpu); autograd carries gradients across both moves,
-so the results are unchanged.  On a CPU-only machine the host *is* the device and the
-offload is a no-op.
+``offload_activations`` those inputs are stored as pinned host copies (copied out on a
+side stream during forward) and brought back for the recomputation one block ahead of
+it (P_a+cpu, :class:`OffloadSchedule`).  The forward graph itself is built from the
+device inputs, so gradients flow exactly as without offload; the host copies are only
+the data the recomputation starts from.  On a CPU-only machine the host *is* the
+device and nothing is copied.
 
 P_a proper (partitioning checkpoints across model-parallel ranks) needs tensor
 parallelism; under pure data parallelism there is nothing to partition, so it is not
@@ -15,7 +17,8 @@ offered.
 from __future__ import annotations
 
 import functools
-from typing import Callable, List
+import weakref
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -24,15 +27,125 @@ from torch.utils.checkpoint import checkpoint
 from .planner import find_unit_module_classes
 
 
-def _to_host(x):
-    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.device.type != "cpu":
-        return x.to("cpu")
-    return x
+class _Stored:
+    """One block call's tensor inputs: host copies, and once fetched back, device copies."""
+
+    __slots__ = ("args", "host", "devices", "requires_grad", "on_device", "ready", "__weakref__")
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.host: List[Optional[torch.Tensor]] = []
+        self.devices: List[Optional[torch.device]] = []
+        self.requires_grad: List[bool] = []
+        self.on_device: Optional[List[Optional[torch.Tensor]]] = None
+        self.ready = None  # CUDA event after which ``on_device`` may be read
 
 
-def checkpointed(fn: Callable, offload: bool = False) -> Callable:
+class OffloadSchedule:
+    """Moves the activation checkpoints of one model's blocks to the host during forward
+    and back during backward, one block ahead.
+
+    Forward: each checkpointed block's floating-point inputs are copied to pinned host
+    memory on a side stream (the device copies can be freed as soon as the block is done).
+    Backward runs the blocks in reverse: when block k is recomputed, the copy back of
+    block k-1's inputs is started on the side stream, so it overlaps block k's
+    recomputation and backward.  On a CPU-only machine the host is the device: nothing
+    is copied, but the same bookkeeping runs (and is what the tests check).
+    """
+
+    def __init__(self) -> None:
+        self._live: "weakref.WeakValueDictionary[int, _Stored]" = weakref.WeakValueDictionary()
+        self._tickets = 0
+        self._stream = None
+        self.prefetch_hits = 0  # recomputations whose inputs were already on their way back
+        self.fetches = 0
+
+    def _copy_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def store(self, args) -> Tuple[int, _Stored]:
+        entry = _Stored(None)
+        stream = None
+        for a in args:
+            on_accelerator = isinstance(a, torch.Tensor) and a.is_floating_point() and a.device.type == "cuda"
+            if not on_accelerator:
+                entry.host.append(a.detach() if isinstance(a, torch.Tensor) else a)
+                entry.devices.append(None)
+                entry.requires_grad.append(isinstance(a, torch.Tensor) and a.requires_grad)
+                continue
+            if stream is None:
+                stream = self._copy_stream()
+                stream.wait_stream(torch.cuda.current_stream(a.device))
+            with torch.cuda.stream(stream):
+                host = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
+                host.copy_(a.detach(), non_blocking=True)
+            a.record_stream(stream)  # the allocator must not reuse it before the copy ran
+            entry.host.append(host)
+            entry.devices.append(a.device)
+            entry.requires_grad.append(a.requires_grad)
+        if stream is not None:
+            entry.ready = stream.record_event()
+        self._tickets += 1
+        self._live[self._tickets] = entry
+        return self._tickets, entry
+
+    def _bring_back(self, entry: _Stored, stream=None) -> None:
+        if entry.on_device is not None:
+            return
+        if entry.ready is not None:
+            # The D2H copy of forward must be complete before the host copy is read.
+            (stream or torch.cuda.current_stream()).wait_event(entry.ready)
+        out = []
+        for h, d in zip(entry.host, entry.devices):
+            if d is None:
+                out.append(h)
+                continue
+            dst = torch.empty(h.shape, dtype=h.dtype, device=d)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(h, non_blocking=True)
+                dst.record_stream(stream)
+            else:
+                dst.copy_(h, non_blocking=True)
+            out.append(dst)
+        entry.on_device = out
+        entry.ready = stream.record_event() if stream is not None else None
+
+    def fetch(self, ticket: int, entry: _Stored) -> list:
+        """The inputs of block ``ticket`` on their devices, for its recomputation; starts
+        bringing back the block that backward reaches next."""
+        self.fetches += 1
+        if entry.on_device is not None:
+            self.prefetch_hits += 1
+            if entry.ready is not None:
+                torch.cuda.current_stream().wait_event(entry.ready)
+        else:
+            self._bring_back(entry)
+        earlier = [t for t in list(self._live.keys()) if t < ticket]
+        if earlier:
+            following = self._live.get(max(earlier))
+            if following is not None:
+                uses_cuda = any(d is not None for d in following.devices)
+                stream = self._copy_stream() if uses_cuda else None
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream())
+                self._bring_back(following, stream)
+        self._live.pop(ticket, None)
+        values = entry.on_device
+        entry.on_device, entry.host = None, []  # the graph may outlive this recomputation
+        return [v.detach().requires_grad_(rg) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for v, rg in zip(values, entry.requires_grad)]
+
+
+def checkpointed(fn: Callable, offload: bool = False, schedule: Optional[OffloadSchedule] = None) -> Callable:
     """Wrap ``fn`` (a block's forward) in activation checkpointing; usable directly
-    on hand-written models: ``block.forward = checkpointed(block.forward)``."""
+    on hand-written models: ``block.forward = checkpointed(block.forward)``.  With
+    ``offload`` the block's inputs are kept on the host between forward and backward;
+    blocks sharing one ``schedule`` are brought back one ahead of the recomputation."""
+    if offload and schedule is None:
+        schedule = OffloadSchedule()
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -40,13 +153,18 @@ def checkpointed(fn: Callable, offload: bool = False) -> Callable:
             return fn(*args, **kwargs)
         if not offload:
             return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        devices = [a.device if isinstance(a, torch.Tensor) else None for a in args]
-        host_args = [_to_host(a) for a in args]
+        ticket, entry = schedule.store(args)
+        entry.args = args
 
-        def on_device(*stored, **kw):
-            return fn(*[s.to(d) if d is not None and isinstance(s, torch.Tensor) else s for s, d in zip(stored, devices)], **kw)
+        def body():
+            if entry.args is not None:
+                # The first call is the forward itself: its inputs are still on the device.
+                # Drop them, so only the host copies outlive it.
+                first, entry.args = entry.args, None
+                return fn(*first, **kwargs)
+            return fn(*schedule.fetch(ticket, entry), **kwargs)
 
-        return checkpoint(on_device, *host_args, use_reentrant=False, **kwargs)
+        return checkpoint(body, use_reentrant=False)
 
     return run
 
@@ -54,13 +172,14 @@ def checkpointed(fn: Callable, offload: bool = False) -> Callable:
 def apply_activation_checkpointing(model: nn.Module, classes, offload: bool) -> List[Callable[[], None]]:
     """Checkpoint every module of the given classes; returns undo callbacks."""
     names = set(find_unit_module_classes(model, classes, field="activation_checkpointing"))
+    schedule = OffloadSchedule() if offload else None
     undo = []
     for module in model.modules():
         if module is model or type(module).__name__ not in names:
             continue
         had_attr = "forward" in module.__dict__
         original = module.forward
-        module.forward = checkpointed(original, offload)
+        module.forward = checkpointed(original, offload, schedule)
 
         def restore(m=module, o=original, had=had_attr):
             if had:
