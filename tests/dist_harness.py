@@ -39,8 +39,9 @@ def _worker(rank, world_size, store_path, fn, args, queue, backend="gloo"):
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo"):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
+def _spawn_and_collect(fn, world_size, args, timeout, backend, stop_at_first_error):
+    """Start the workers; return ({rank: ("ok", result) | ("error", traceback)},
+    {rank: exit code of ranks that died without reporting}, timed_out)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="zs_store_")
@@ -49,30 +50,56 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend:
     procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    outcomes, dead, timed_out = {}, {}, False
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < world_size and not errors:
+        while len(outcomes) + len(dead) < world_size:
+            if stop_at_first_error and (dead or any(k == "error" for k, _ in outcomes.values())):
+                break
             try:
                 rank, status, payload = queue.get(timeout=1.0)
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    errors.append(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]} without a result")
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(results))}")
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in outcomes:
+                        dead[r] = p.exitcode
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
                 continue
             if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                outcomes[rank] = ("ok", torch.load(io.BytesIO(payload), weights_only=False))
             else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
+                outcomes[rank] = ("error", payload)
     finally:
         for p in procs:
-            p.join(timeout=5 if errors else 60)
+            p.join(timeout=5 if (dead or timed_out or len(outcomes) < world_size) else 60)
             if p.is_alive():
                 p.kill()
         if os.path.exists(store_path):
             os.unlink(store_path)
+    return outcomes, dead, timed_out
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 600.0, backend: str = "gloo"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
+    outcomes, dead, timed_out = _spawn_and_collect(fn, world_size, args, timeout, backend, stop_at_first_error=True)
+    errors = [f"--- rank {r} ---\n{v}" for r, (k, v) in sorted(outcomes.items()) if k == "error"]
+    if dead:
+        errors.append(f"rank(s) {sorted(dead)} exited with code(s) {[dead[r] for r in sorted(dead)]} without a result")
+    if timed_out and not errors:
+        errors.append(f"timed out after {timeout:.0f}s waiting for ranks {sorted(set(range(world_size)) - set(outcomes))}")
     if errors:
         raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def run_distributed_outcomes(fn, world_size: int, *args, timeout: float = 120.0, backend: str = "gloo"):
+    """Like run_distributed, but waits for every rank and reports each one's fate:
+    ``{"ranks": {rank: ("ok", result) | ("error", traceback) | ("dead", exit code)},
+    "seconds": wall time, "timed_out": whether some rank was still running at the end}``."""
+    start = time.monotonic()
+    outcomes, dead, timed_out = _spawn_and_collect(fn, world_size, args, timeout, backend, stop_at_first_error=False)
+    ranks = dict(outcomes)
+    for r, code in dead.items():
+        ranks.setdefault(r, ("dead", code))
+    return {"ranks": ranks, "seconds": time.monotonic() - start, "timed_out": timed_out}

@@ -35,6 +35,10 @@ EXPECTED_DEFAULTS = {
     "offload_optimizer": "none",
     "activation_checkpointing": (),
     "offload_activations": False,
+    "collective_timeout": 600.0,
+    "check_call_order": False,
+    "on_min_loss_scale": "raise",
+    "check_finite_loss": False,
 }
 
 

@@ -13,6 +13,8 @@ from .config import ZeroConfig
 from .estimate import MemoryEstimate, estimate
 from .engine import ZeroEngine, engine_of
 from .materialize import init_context, keep_meta_on_moves
+from .guard import PartitionedParameterError
+from .comm import CollectiveError
 from .checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
 
 __version__ = "0.1.0"
@@ -37,7 +39,23 @@ def initialize(model, optimizer=None, config=None, process_group=None, *, device
                       sync_module_states=sync_module_states)
 
 
+def gathered_parameters(model, *modules, modifier_rank=None):
+    """``engine_of(model).gathered_parameters(*modules, modifier_rank=...)``: a context in
+    which the (stage-3 partitioned) parameters of ``modules`` of ``model`` are whole on
+    every rank.  Collective.  See :meth:`ZeroEngine.gathered_parameters`."""
+    engine = engine_of(model)
+    if engine is None:
+        raise ValueError(
+            f"this {type(model).__name__} is not managed by an open ZeroEngine: pass the model given to "
+            "zero_strategy.initialize (the root module, not a submodule)"
+        )
+    return engine.gathered_parameters(*modules, modifier_rank=modifier_rank)
+
+
 __all__ = [
+    "gathered_parameters",
+    "PartitionedParameterError",
+    "CollectiveError",
     "ZeroConfig",
     "ZeroEngine",
     "initialize",

@@ -45,14 +45,17 @@ _FLOAT_RULES = {
     "loss_scale": (0.0, True, "0 = dynamic loss scaling, > 0 = static scale"),
     "min_loss_scale": (0.0, False, "the dynamic loss scale never drops below this"),
     "gradient_clipping": (0.0, True, "0 = off, else the max global gradient norm"),
+    "collective_timeout": (0.0, False, "seconds a collective may wait for the other ranks"),
 }
+
+_MIN_LOSS_SCALE_POLICIES = ("raise", "skip")
 
 
 def canonical_precision(value: Any, name: str = "precision") -> str:
     """Map a precision spelling ("16-mixed", "bfloat16", 32, ...) to fp32/bf16/fp16."""
     # Lightning accepts precision=32 / 16 as ints; bools are ints too but never meant.
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        value = str(int(value))
+        value = str(int(value)) if abs(int(value)) < 10**6 else "out of range"
     if isinstance(value, str) and value.strip().lower() in _PRECISION_ALIASES:
         return _PRECISION_ALIASES[value.strip().lower()]
     raise ValueError(
@@ -62,10 +65,23 @@ def canonical_precision(value: Any, name: str = "precision") -> str:
     )
 
 
+_LARGEST = 2**62  # no size, count or power here is meaningful beyond this
+
+
 def _type_error(name: str, value: Any, expected: str) -> ValueError:
-    return ValueError(
-        f"ZeroConfig.{name} must be {expected}, got {value!r} ({type(value).__name__})"
-    )
+    try:
+        shown = repr(value)
+    except ValueError:  # e.g. an int too long to format
+        shown = "<a value too large to print>"
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return ValueError(f"ZeroConfig.{name} must be {expected}, got {shown} ({type(value).__name__})")
+
+
+def _bounded(name: str, value: int) -> int:
+    if abs(value) > _LARGEST:
+        raise ValueError(f"ZeroConfig.{name} is out of range: its magnitude must be at most 2**62")
+    return value
 
 
 def _as_int(name: str, value: Any) -> int:
@@ -75,20 +91,23 @@ def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool):  # True would silently become 1
         raise _type_error(name, value, expected)
     if isinstance(value, numbers.Integral):
-        return int(value)
+        return _bounded(name, int(value))
     if isinstance(value, str):
         text = value.strip()
         try:
-            return int(text)
-        except ValueError:
-            pass
+            return _bounded(name, int(text))
+        except ValueError as exc:
+            if "out of range" in str(exc):
+                raise
         try:
             value = float(text)
         except ValueError:
             raise _type_error(name, value, expected) from None
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        value = float(value)  # numpy scalars too: nan/inf are caught below, not by int()
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer():
-            return int(value)
+            return _bounded(name, int(value))
         raise _type_error(name, value, expected)
     if isinstance(value, numbers.Real) and int(value) == value:
         return int(value)
@@ -207,6 +226,26 @@ class ZeroConfig:
     """ZeRO-R P_a+cpu: move the activation checkpoints (block inputs) to host memory
     between forward and backward. Needs activation_checkpointing."""
 
+    collective_timeout: float = 600.0
+    """Seconds any ZeRO collective may wait for the other ranks (> 0). When it runs out,
+    or a peer dies, every rank raises CollectiveError saying which collective (module,
+    step) each rank was in, instead of hanging. Bounded on gloo; on NCCL the process
+    group's own timeout and watchdog apply."""
+
+    check_call_order: bool = False
+    """Debug: before every collective the ranks compare what they are about to do, so the
+    first call where they diverge (a module run on some ranks only) fails on every rank
+    with each rank's module named. Costs one tiny all-gather per collective."""
+
+    on_min_loss_scale: str = "raise"
+    """fp16: what happens when a step overflows while the dynamic scale is already at
+    min_loss_scale: "raise" stops with FloatingPointError naming the parameters whose
+    gradients overflowed; "skip" keeps skipping such steps."""
+
+    check_finite_loss: bool = False
+    """Stop with FloatingPointError (naming the step) when the loss given to backward()
+    is NaN or infinite on any rank. Costs one host sync per backward."""
+
     def __post_init__(self) -> None:
         # Frozen dataclass: normalised values have to be written with object.__setattr__.
         def put(name: str, value: Any) -> None:
@@ -239,8 +278,18 @@ class ZeroConfig:
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
-        if not isinstance(self.offload_activations, bool):
-            raise _type_error("offload_activations", self.offload_activations, "true or false")
+        if self.collective_timeout > 1e7:
+            raise ValueError(f"ZeroConfig.collective_timeout must be at most 1e7 seconds (about 115 days), got {self.collective_timeout:g}")
+        if self.offload_optimizer == "cpu" and self.stage == 0:
+            raise ValueError("ZeroConfig.offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
+        for flag in ("offload_activations", "check_call_order", "check_finite_loss"):
+            if not isinstance(getattr(self, flag), bool):
+                raise _type_error(flag, getattr(self, flag), "true or false")
+        if self.on_min_loss_scale not in _MIN_LOSS_SCALE_POLICIES:
+            raise ValueError(
+                f"ZeroConfig.on_min_loss_scale must be one of {', '.join(map(repr, _MIN_LOSS_SCALE_POLICIES))}, "
+                f"got {self.on_min_loss_scale!r}"
+            )
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError(
                 "ZeroConfig.offload_activations needs activation_checkpointing (the checkpoints are what is "

@@ -27,9 +27,10 @@ from .accounting import optimizer_state_bytes
 from .activation import apply_activation_checkpointing
 from .comm import Communicator
 from .config import ZeroConfig
-from .flat_unit import FlatUnit
+from .flat_unit import DataState, FlatUnit
 from .gather import ModuleGroup, ParameterGatherer
 from .hooks import cast_floating_inputs, register_hooks
+from .guard import guard_parameters, unguard_parameters
 from .materialize import forget_meta_moves, initialize_deferred, load_pretrained, meta_parameter_ids
 from .optimizer import ZeroOptimizer, repoint_optimizer
 from .planner import plan_partitioned_params, plan_replicated_params
@@ -94,6 +95,8 @@ class ZeroEngine:
         self._callback_queued = False
         self._master_grads_ready = False
         self._closed = False
+        self._backward_since_step = False  # misuse checks: step() needs a backward first ...
+        self._synced_backward_done = False  # ... and a second synced backward needs a step()
         self.last_load_report: Optional[Dict[str, list]] = None  # from pretrained=: missing / unexpected names
         cfg = self.config
         compute_dtype = cfg.param_dtype
@@ -143,6 +146,14 @@ class ZeroEngine:
                 )
             )
         self.trainable_units = [u for u in self.units if u.trainable]
+        module_names = {id(m): n for n, m in model.named_modules()}
+        for u, spec in zip(self.units, plan.units):
+            first, last = spec.names[0][0], spec.names[-1][0]
+            if cfg.shards_parameters and spec.module is not None and not spec.persistent:
+                u.label = f"module {module_names.get(id(spec.module)) or '<root>'}"
+            else:
+                u.label = f"bucket {u.index} ({first}{' ... ' + last if last != first else ''})"
+        self.comm.configure(cfg.collective_timeout, cfg.check_call_order)
 
         # The user's optimizer now updates this rank's shards.
         self.inner_optimizer = optimizer
@@ -178,6 +189,8 @@ class ZeroEngine:
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
 
         self._handles = register_hooks(self)
+        if cfg.shards_parameters:
+            guard_parameters(self.units)
         _ENGINES[model] = weakref.ref(self)
         self._undo_checkpointing = (
             apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.offload_activations)
@@ -217,6 +230,14 @@ class ZeroEngine:
     # -- hooks' entry points ---------------------------------------------------------------
     def _on_param_grad(self, unit: FlatUnit, pos: int) -> None:
         if not self._callback_queued:
+            if self._synced and self._synced_backward_done:
+                raise RuntimeError(
+                    "a second backward reached the model since the last step() outside no_sync(): its "
+                    "gradients would be reduced (and, with ZeRO, partitioned) twice. For gradient "
+                    "accumulation run every micro-batch but the last inside `with engine.no_sync():`; "
+                    "for several losses, add them and call backward once; otherwise call step() or "
+                    "zero_grad() between the backward passes."
+                )
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         unit.accept_grad(pos)
@@ -224,6 +245,9 @@ class ZeroEngine:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        self._backward_since_step = True
+        if self._synced:
+            self._synced_backward_done = True
         self.reducer.flush(self._synced)
         if self.gatherer is not None:
             self.gatherer.end_of_backward()
@@ -255,6 +279,9 @@ class ZeroEngine:
                 p.grad = None
         for u in self.trainable_units:
             u.optim_param.grad = None
+        for name, p in self.untouched.items():  # frozen parameters were cast to the compute dtype
+            if p.dtype != self.orig_dtype_untouched[name]:
+                p.data = p.data.to(self.orig_dtype_untouched[name])
 
     def _check_open(self) -> None:
         if self._closed:
@@ -264,9 +291,25 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
         self._check_open()
+        if self.config.check_finite_loss:
+            self._check_finite_loss(loss)
         if self.scaler.scale != 1.0:
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
+
+    def _check_finite_loss(self, loss: torch.Tensor) -> None:
+        # Agreed by every rank, so all stop together (a lone rank stopping would leave the
+        # others waiting in backward's collectives).
+        bad = torch.zeros(self.comm.world_size, device=self._device())
+        bad[self.comm.rank] = 0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0
+        self.comm.control_all_reduce(bad, "sum", label="the finite-loss check")
+        ranks = [r for r, v in enumerate(bad.tolist()) if v > 0]
+        if ranks:
+            raise FloatingPointError(
+                f"the loss is not finite (NaN or inf) at step {self.global_step} on rank(s) {ranks} "
+                f"(this rank's loss: {float(loss.detach().float().reshape(-1)[0])}); stopped by "
+                "ZeroConfig.check_finite_loss before it reached the weights"
+            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -362,8 +405,16 @@ class ZeroEngine:
         self._check_open()
         if self.optimizer is None:
             raise RuntimeError("step() needs an optimizer: initialize was called with optimizer=None")
+        # (On the meta device, planning dry runs step once to create the optimizer state.)
+        if not self._backward_since_step and self._device().type != "meta":
+            raise RuntimeError(
+                "step() was called but no backward reached the model since the last step() or zero_grad(): "
+                "there are no gradients to apply. Call engine.backward(loss) (or loss.backward()) first."
+            )
         overflow = self._prepare_master_grads()
         if overflow:
+            if self.scaler.dynamic and self.scaler.scale <= self.scaler.min_scale and self.config.on_min_loss_scale == "raise":
+                self._raise_at_min_loss_scale()
             self.scaler.update(True)
             self.last_step_skipped = True
             self.zero_grad()
@@ -380,6 +431,26 @@ class ZeroEngine:
         self.zero_grad()
         return True
 
+    def _raise_at_min_loss_scale(self) -> None:
+        local = []
+        for u in self.trainable_units:
+            g = u.optim_param.grad
+            if g is None or bool(torch.isfinite(g).all()):
+                continue
+            bad = (~torch.isfinite(g)).nonzero().reshape(-1)
+            lo = u._lo  # the shard's first element within the unit
+            for i, (off, n) in enumerate(zip(u.layout.offsets, u.layout.numels)):
+                if bool(((bad + lo >= off) & (bad + lo < off + n)).any()):
+                    local.append(u.names[i][0])
+        names = sorted({n for part in self.comm.all_gather_object(local, "overflow report") for n in part})
+        shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+        raise FloatingPointError(
+            f"fp16 gradients overflowed at step {self.global_step} while the loss scale is already at "
+            f"min_loss_scale={self.scaler.min_scale:g}: the scale cannot go lower, so training would only keep "
+            f"skipping steps. Parameters with inf/NaN gradients: {shown or '(none found after unscaling)'}. "
+            "Lower the learning rate, use bf16, or set on_min_loss_scale='skip' to keep skipping."
+        )
+
     def _all_gather_updated_params(self) -> None:
         """Stages 1-2 (and stage 3's persistent units): every rank needs the full update."""
         if self.config.stage == 0:
@@ -388,7 +459,7 @@ class ZeroEngine:
         for u in self.trainable_units:
             if not u.keep_full:
                 continue  # stage 3: gathered on demand by the next forward
-            pending.append(self.comm.all_gather(u.full.data, u.shard, async_op=True))
+            pending.append(self.comm.all_gather(u.full.data, u.shard, async_op=True, label=f"the updated {u.label}"))
             in_flight += u.layout.padded_numel
             if in_flight > self.config.allgather_bucket_size:
                 for w in pending:
@@ -402,6 +473,49 @@ class ZeroEngine:
             u.zero_grad()
             u.optim_param.grad = None
         self._master_grads_ready = False
+        self._backward_since_step = False
+        self._synced_backward_done = False
+        self.comm.start_step(self.global_step)
+
+    # -- reading and changing parameters outside forward ----------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(self, *modules: nn.Module, modifier_rank: Optional[int] = None) -> Iterator[None]:
+        """Collective.  Inside, the parameters of ``modules`` (default: the whole model) are
+        whole on every rank and may be read (stage 3; stages 0-2 always hold them whole).
+
+        ``modifier_rank=r`` keeps the changes rank ``r`` makes inside: on exit its values
+        are broadcast and written into every rank's shard and fp32 master weights (in the
+        compute dtype's precision).  Without it, changes made inside are discarded
+        (stage 3) or must not be made (stages 0-2: the next step would overwrite them
+        from the master weights).  Do not run the model's forward inside.
+        """
+        self._check_open()
+        if modifier_rank is not None and not 0 <= int(modifier_rank) < self.comm.world_size:
+            raise ValueError(f"modifier_rank must be a rank of the engine's process group (0..{self.comm.world_size - 1}), got {modifier_rank}")
+        wanted = {id(p) for m in (modules or (self.module,)) for p in m.parameters()}
+        if not modules or any(m is self.module for m in modules):
+            wanted |= {id(p) for u in self.units for p in u.params}
+        units = [u for u in self.units if any(id(p) in wanted for p in u.params)]
+        untouched = [p for p in self.untouched.values() if id(p) in wanted]
+        gathered_here = []
+        for u in units:
+            if not u.keep_full and u.state is not DataState.GATHERED:
+                u.start_gather(self.comm)
+                gathered_here.append(u)
+        for u in gathered_here:
+            u.finish_gather()
+        try:
+            yield
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    for u in units:
+                        self.comm.broadcast(u.full.data, int(modifier_rank), label=f"the modified {u.label}")
+                        u.adopt_full_values()
+                    for p in untouched:
+                        self.comm.broadcast(p.data, int(modifier_rank), label="a modified parameter")
+        finally:
+            for u in gathered_here:
+                u.release()
 
     # -- reports ----------------------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:
@@ -481,6 +595,9 @@ class ZeroEngine:
         module again.  Collective when ``unshard``."""
         if unshard and not self._closed:
             self._unshard()
+            unguard_parameters(self.units)
+        for u in self.units:
+            u.closed = True
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -75,6 +75,8 @@ class FlatUnit:
         offload_device: Optional[torch.device] = None,
     ) -> None:
         self.index = index
+        self.label = f"unit {index}"  # what collectives on this unit are for (set by the engine)
+        self.closed = False  # its engine was closed (the guard's error message says so)
         self.params = list(params)
         self.names = [list(n) for n in names]  # every name each parameter has (tied weights)
         self.group_index = group_index
@@ -211,7 +213,7 @@ class FlatUnit:
         storage = self.full.untyped_storage()
         storage.resize_(self.layout.padded_numel * self.full.element_size())
         # Write through ``.data`` so the all-gather does not bump autograd version counters.
-        self._gather_work = comm.all_gather(self.full.data, self.shard, async_op=True)
+        self._gather_work = comm.all_gather(self.full.data, self.shard, async_op=True, label=self.label)
         self.state = DataState.GATHERING
 
     def finish_gather(self) -> None:
@@ -226,6 +228,15 @@ class FlatUnit:
         self.finish_gather()
         self.full.untyped_storage().resize_(0)
         self.state = DataState.SHARDED
+
+    def adopt_full_values(self) -> None:
+        """The gathered ``full`` buffer was changed (and agreed on by every rank): make this
+        rank's shard and master copy match it."""
+        own = self.full[self._lo : self._hi]
+        if not self.keep_full:
+            self.shard.copy_(own)
+        if self.master is not None:
+            self.master.copy_(own.to(self.master.device, torch.float32))
 
     # -- gradients -------------------------------------------------------------------------
     def accept_grad(self, param_pos: int) -> None:

@@ -55,11 +55,11 @@ class GradientReducer:
             self._finish_oldest()
         full = unit.grad_for_reduction(self.comm.world_size)
         if self.replicated:
-            work = self.comm.all_reduce(full, async_op=True)
+            work = self.comm.all_reduce(full, async_op=True, label=f"the gradients of {unit.label}")
             out = full
         else:
             out = unit.reduction_output()
-            work = self.comm.reduce_scatter(out, full, async_op=True)
+            work = self.comm.reduce_scatter(out, full, async_op=True, label=f"the gradients of {unit.label}")
         # Keep ``full`` referenced until the collective has finished with it.
         self._pending.append((unit, work, out, full))
         self._in_flight += full.numel()

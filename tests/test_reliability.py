@@ -1,0 +1,349 @@
+"""Reliability: no silent hangs, no silent corruption, clear errors for misuse.
+
+Every failure here is provoked on real gloo processes; each test asserts that EVERY
+rank ends with the expected error (or, for a killed rank, that the survivors do) within
+a bound derived from ``collective_timeout``, instead of hanging until the harness's
+own deadline.
+"""
+import os
+import signal
+
+import pytest
+import torch
+
+from dist_harness import run_distributed, run_distributed_outcomes
+
+TIMEOUT = 4.0  # collective_timeout in these tests (seconds)
+# A failing rank waits up to one timeout for its collective and up to one more for the
+# others' reports; spawning and importing take the rest.
+BOUND = 2 * TIMEOUT + 45
+
+
+class Blocks(torch.nn.Module):
+    """Four identical blocks (equal-sized collectives: the case where mismatched calls
+    could pair up silently) and a head."""
+
+    def __init__(self, width=16, depth=4):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(depth)
+        )
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).pow(2).mean()
+
+
+def _engine(config, seed=0):
+    import zero_strategy
+
+    torch.manual_seed(seed)
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = dict(stage=3, param_persistence_threshold=0, unit_modules=["Sequential"], collective_timeout=TIMEOUT)
+    cfg.update(config)
+    return model, zero_strategy.initialize(model, opt, cfg)
+
+
+def _batch(rank, step):
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _errors(result, ws):
+    """Each rank's error text; fails when a rank did not end with an error."""
+    ranks = result["ranks"]
+    assert not result["timed_out"], result
+    assert sorted(ranks) == list(range(ws)), ranks
+    for r, (kind, value) in ranks.items():
+        assert kind == "error", (r, kind, value)
+    return {r: value for r, (_, value) in ranks.items()}
+
+
+# ---------------------------------------------------------------------------------------
+# ranks that run different modules (stage 3)
+# ---------------------------------------------------------------------------------------
+def _diverge_worker(rank, ws, config):
+    model, engine = _engine(config)
+    for step in range(3):
+        loss = model(_batch(rank, step))
+        if step == 1 and rank == 0:
+            with torch.no_grad():
+                model.blocks[2](torch.zeros(1, 16))  # an extra module call on rank 0 only
+        engine.backward(loss)
+        engine.step()
+    return "finished"
+
+
+@pytest.mark.slow
+def test_divergent_module_calls_end_every_rank_within_the_timeout():
+    """Without the order check, mismatched collectives pair up on gloo; gloo itself may
+    abort a process whose collective does not match (SIGABRT, which no Python code can
+    catch).  What is guaranteed: no rank hangs, and every rank still alive raises
+    CollectiveError saying where each rank was."""
+    result = run_distributed_outcomes(_diverge_worker, 2, {}, timeout=3 * BOUND)
+    assert not result["timed_out"] and result["seconds"] < BOUND, result
+    ranks = result["ranks"]
+    assert sorted(ranks) == [0, 1]
+    assert all(kind != "ok" for kind, _ in ranks.values()), ranks
+    errors = [value for kind, value in ranks.values() if kind == "error"]
+    assert errors, ranks
+    for text in errors:
+        assert "CollectiveError" in text and "Where each rank was:" in text, text
+        assert "module blocks." in text, text  # the module a rank was gathering is named
+        assert "check_call_order=True" in text, text
+
+
+@pytest.mark.slow
+def test_call_order_check_stops_at_the_first_divergent_call_naming_each_module():
+    result = run_distributed_outcomes(_diverge_worker, 2, {"check_call_order": True}, timeout=3 * BOUND)
+    errors = _errors(result, 2)
+    # No timeout involved: the first mismatched call is caught by the order check itself.
+    assert result["seconds"] < BOUND - TIMEOUT, result["seconds"]
+    for text in errors.values():
+        assert "ranks diverged (check_call_order)" in text, text
+        assert "rank 0: all_gather for module blocks.2" in text, text
+        assert "rank 1: all_gather for module <root>" in text, text  # rank 1 went on to backward
+
+
+def _agreeing_worker(rank, ws):
+    model, engine = _engine({"check_call_order": True})
+    losses = []
+    for step in range(3):
+        loss = model(_batch(rank, step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _reference_losses(ws, steps=3):
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        losses = [model(_batch(r, step)) for r in range(ws)]
+        sum(losses).div(ws).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append([float(x) for x in losses])
+    return out
+
+
+@pytest.mark.slow
+def test_call_order_check_changes_nothing_when_ranks_agree():
+    got = run_distributed(_agreeing_worker, 2)
+    ref = _reference_losses(2)
+    for r in range(2):
+        assert got[r] == pytest.approx([ref[s][r] for s in range(3)], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# a rank that dies mid-step
+# ---------------------------------------------------------------------------------------
+def _dying_worker(rank, ws, folder):
+    model, engine = _engine({})
+    for step in range(3):
+        loss = model(_batch(rank, step))
+        if step == 2 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # killed between forward and backward
+        engine.backward(loss)
+        engine.step()
+        if step == 1:
+            engine.save_checkpoint(folder)
+    return "finished"
+
+
+def _load_worker(rank, ws, folder):
+    model, engine = _engine({"stage": 2})
+    engine.load_checkpoint(folder)
+    return engine.global_step
+
+
+@pytest.mark.slow
+def test_a_killed_rank_makes_the_others_fail_clearly_and_the_checkpoint_stays_loadable(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    result = run_distributed_outcomes(_dying_worker, 2, folder, timeout=3 * BOUND)
+    assert result["seconds"] < BOUND, result["seconds"]
+    ranks = result["ranks"]
+    assert ranks[1][0] == "dead", ranks[1]
+    kind, text = ranks[0]
+    assert kind == "error" and "CollectiveError" in text, text
+    assert "rank(s) [1]: no answer" in text and "restart from the last checkpoint" in text, text
+    # The checkpoint written before the failure loads (at another world size and stage).
+    assert run_distributed(_load_worker, 1, folder) == [2]
+
+
+# ---------------------------------------------------------------------------------------
+# parameters outside forward (stage 3)
+# ---------------------------------------------------------------------------------------
+def _gathered_worker(rank, ws):
+    import zero_strategy
+    from zero_strategy import PartitionedParameterError
+
+    torch.manual_seed(0)
+    initial = {k: v.clone() for k, v in Blocks().state_dict().items()}
+    model, engine = _engine({})
+    out = {}
+    # Reading outside forward: a clear error, not a crash or an empty tensor.
+    try:
+        model.blocks[1][0].weight.sum()
+        out["read"] = "no error"
+    except PartitionedParameterError as exc:
+        out["read"] = str(exc)
+    # Metadata stays readable.
+    out["shape"] = tuple(model.blocks[1][0].weight.shape)
+    with engine.gathered_parameters(model.blocks[1]):
+        out["inside"] = model.blocks[1][0].weight.detach().clone()
+        model.blocks[1][0].weight.data.zero_()  # discarded: no modifier_rank
+    with zero_strategy.gathered_parameters(model, model.blocks[2], modifier_rank=1):
+        if rank == 1:
+            model.blocks[2][0].bias.data.fill_(0.5)  # kept: rank 1 is the modifier
+    sd = engine.full_state_dict(rank0_only=False)
+    out["after_discard"] = sd["blocks.1.0.weight"]
+    out["after_modify"] = sd["blocks.2.0.bias"]
+    out["initial"] = initial
+    # The modified values are what the next forward uses.
+    with torch.no_grad():
+        x = torch.ones(2, 16)
+        out["forward"] = float(model(x))
+    reference = Blocks()
+    reference.load_state_dict(initial)
+    with torch.no_grad():
+        reference.blocks[2][0].bias.fill_(0.5)
+        out["reference_forward"] = float(reference(x))
+    # After close (without unshard) the model's values are gone: clear error naming it.
+    engine.close()
+    try:
+        model(x)
+        out["after_close"] = "no error"
+    except PartitionedParameterError as exc:
+        out["after_close"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+def test_partitioned_parameters_are_read_and_changed_through_the_gather_context():
+    for r in run_distributed(_gathered_worker, 2):
+        assert "blocks.1.0.weight is partitioned by ZeRO stage 3" in r["read"], r["read"]
+        assert "gathered_parameters" in r["read"]
+        assert r["shape"] == (16, 16)
+        torch.testing.assert_close(r["inside"], r["initial"]["blocks.1.0.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(r["after_discard"], r["initial"]["blocks.1.0.weight"], rtol=0, atol=0)
+        assert torch.equal(r["after_modify"], torch.full((16,), 0.5))
+        assert r["forward"] == pytest.approx(r["reference_forward"], rel=1e-6)
+        assert "has been closed" in r["after_close"] and "unshard=True" in r["after_close"], r["after_close"]
+
+
+# ---------------------------------------------------------------------------------------
+# numerical faults
+# ---------------------------------------------------------------------------------------
+def _min_scale_worker(rank, ws, policy):
+    import zero_strategy
+
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero_strategy.initialize(model, opt, dict(stage=2, precision="fp16", initial_scale_power=1, min_loss_scale=1.0,
+                                                       hysteresis=1, on_min_loss_scale=policy, collective_timeout=TIMEOUT))
+    results = []
+    for step in range(4):
+        loss = model(_batch(rank, step).half())
+        if step >= 1 and rank == 0:
+            loss = loss * float("inf")  # overflow on one rank: every rank must agree to skip
+        engine.backward(loss)
+        results.append((engine.step(), engine.scaler.scale))
+    return results
+
+
+@pytest.mark.slow
+def test_fp16_overflow_at_the_minimum_loss_scale_raises_naming_the_parameters():
+    errors = _errors(run_distributed_outcomes(_min_scale_worker, 2, "raise", timeout=3 * BOUND), 2)
+    for text in errors.values():
+        assert "FloatingPointError" in text and "min_loss_scale=1" in text, text
+        assert "blocks.0.0.weight" in text or "head.weight" in text, text
+        assert "at step 1" in text, text  # step 1: scale 2 -> 1; step 2 overflows at the minimum
+
+
+@pytest.mark.slow
+def test_fp16_overflow_at_the_minimum_loss_scale_keeps_skipping_when_asked():
+    for r in run_distributed(_min_scale_worker, 2, "skip"):
+        assert r == [(True, 2.0), (False, 1.0), (False, 1.0), (False, 1.0)], r
+
+
+def _nan_loss_worker(rank, ws):
+    model, engine = _engine({"check_finite_loss": True})
+    for step in range(3):
+        loss = model(_batch(rank, step))
+        if step == 2 and rank == 1:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        engine.step()
+
+
+@pytest.mark.slow
+def test_nan_loss_check_stops_every_rank_naming_the_step_and_rank():
+    result = run_distributed_outcomes(_nan_loss_worker, 2, timeout=3 * BOUND)
+    for text in _errors(result, 2).values():
+        assert "FloatingPointError: the loss is not finite (NaN or inf) at step 2 on rank(s) [1]" in text, text
+
+
+# ---------------------------------------------------------------------------------------
+# misuse
+# ---------------------------------------------------------------------------------------
+def _misuse_worker(rank, ws, case, folder):
+    model, engine = _engine({"stage": 2})
+    x = _batch(rank, 0)
+    if case == "step_without_backward":
+        engine.step()
+    elif case == "backward_twice":
+        engine.backward(model(x))
+        engine.backward(model(x))
+    elif case == "backward_twice_in_no_sync":
+        with engine.no_sync():
+            engine.backward(model(x))
+        engine.backward(model(x))
+        return engine.step()
+    elif case == "use_after_close":
+        engine.close()
+        engine.backward(model(x))
+    elif case == "world_size_mismatch":
+        if ws == 2:
+            engine.backward(model(x))
+            engine.step()
+            engine.save_checkpoint(folder)
+            return "saved"
+        engine.load_checkpoint(folder, allow_reshard=False)
+    return "no error"
+
+
+MISUSE = {
+    "step_without_backward": "no backward reached the model since the last step() or zero_grad()",
+    "backward_twice": "a second backward reached the model since the last step() outside no_sync()",
+    "use_after_close": "this ZeroEngine was closed",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MISUSE))
+def test_misuse_is_a_clear_error_on_every_rank(case, tmp_path):
+    result = run_distributed_outcomes(_misuse_worker, 2, case, str(tmp_path), timeout=3 * BOUND)
+    assert result["seconds"] < BOUND
+    for text in _errors(result, 2).values():
+        assert MISUSE[case] in text, text
+
+
+@pytest.mark.slow
+def test_accumulation_inside_no_sync_is_not_misuse(tmp_path):
+    assert run_distributed(_misuse_worker, 2, "backward_twice_in_no_sync", str(tmp_path)) == [True, True]
+
+
+@pytest.mark.slow
+def test_checkpoint_from_another_world_size_needs_resharding_allowed(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    assert run_distributed(_misuse_worker, 2, "world_size_mismatch", folder) == ["saved", "saved"]
+    result = run_distributed_outcomes(_misuse_worker, 1, "world_size_mismatch", folder, timeout=3 * BOUND)
+    text = _errors(result, 1)[0]
+    assert "world size 2" in text and "allow_reshard=True" in text, text

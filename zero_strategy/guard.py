@@ -1,0 +1,134 @@
+"""Stage 3: reading a partitioned parameter outside forward gives a clear error.
+
+Between uses, a stage-3 parameter is a view of a flat buffer whose storage has been
+freed (``resize_(0)``): touching its values would read freed memory (on CPU torch
+crashes with a segmentation fault) or, in other systems, silently see an empty tensor.
+The engine changes the class of each partitioned parameter to
+:class:`PartitionedParameter`, an ``nn.Parameter`` whose ``__torch_function__`` lets
+metadata through (shape, dtype, device, ``.grad``, ``requires_grad``, no-op ``.to``)
+and, while the parameter's values are not gathered, turns every other use into a
+:class:`PartitionedParameterError` naming the parameter and the way to read it
+(``engine.gathered_parameters``, ``engine.full_state_dict``).  Inside forward and
+backward the values are gathered, so the check passes; its cost is one Python call
+per operation that takes the parameter directly (a Linear's matmul, not its
+activations).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .flat_unit import DataState
+
+
+class PartitionedParameterError(RuntimeError):
+    """A partitioned (stage-3) parameter's values were used while they are not gathered."""
+
+
+def _getter(name):
+    attr = getattr(torch.Tensor, name, None)
+    return getattr(attr, "__get__", None)
+
+
+def _setter(name):
+    attr = getattr(torch.Tensor, name, None)
+    return getattr(attr, "__set__", None)
+
+
+_METADATA = {
+    *(_getter(n) for n in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "is_cuda",
+                           "is_meta", "layout", "grad_fn", "_version", "is_sparse", "is_quantized", "names", "itemsize",
+                           "nbytes", "_base", "is_nested", "output_nr", "_cdata")),
+    *(_setter(n) for n in ("data", "grad", "requires_grad")),
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.requires_grad_, torch.Tensor.stride,
+    torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__,
+    torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
+    torch.Tensor.get_device, torch.Tensor.__len__,
+} - {None}
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
+
+
+def _is_noop_move(func, args, kwargs) -> bool:
+    """``p.to(its own device / dtype)`` returns ``p`` itself without reading values."""
+    p = args[0]
+    if func is torch.Tensor.cpu:
+        return p.device.type == "cpu"
+    if func is torch.Tensor.cuda:
+        return p.device.type == "cuda"
+    if func is torch.Tensor.to:
+        try:
+            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        except (TypeError, RuntimeError):
+            return False
+        same_device = device is None or torch.device(device) == p.device
+        return same_device and (dtype is None or dtype == p.dtype) and not kwargs.get("copy", False)
+    return False
+
+
+class PartitionedParameter(nn.Parameter):
+    """An ``nn.Parameter`` managed by a stage-3 ZeroEngine (see the module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            released = _first_released(args, kwargs)
+            if released is not None and not (func in _MOVES and args and args[0] is released and _is_noop_move(func, args, kwargs)):
+                raise PartitionedParameterError(_message(released, func))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _released(t) -> bool:
+    unit = t.__dict__.get("_zero_unit")
+    return unit is not None and unit.state is not DataState.GATHERED
+
+
+def _first_released(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if type(a) is PartitionedParameter:
+            if _released(a):
+                return a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if type(b) is PartitionedParameter and _released(b):
+                    return b
+    return None
+
+
+def _message(p, func) -> str:
+    name = p.__dict__.get("_zero_name", "a parameter")
+    what = getattr(func, "__name__", str(func))
+    if p.__dict__.get("_zero_unit") is not None and p._zero_unit.closed:
+        return (
+            f"{name} was partitioned by a ZeroEngine (stage 3) that has been closed: this rank holds only its "
+            f"shard, so the parameter has no values to {what!r}. Close with engine.close(unshard=True) to get "
+            "whole parameters back, or build a new engine."
+        )
+    return (
+        f"{name} is partitioned by ZeRO stage 3: outside forward and backward only a 1/N shard exists on "
+        f"this rank, so {what!r} cannot read its values. To read or change parameters, use "
+        "`with engine.gathered_parameters(module, modifier_rank=0): ...` (collective); for weights to save, "
+        "engine.full_state_dict()."
+    )
+
+
+def guard_parameters(units) -> None:
+    """Make every parameter of the (not kept-whole) stage-3 units a PartitionedParameter."""
+    for unit in units:
+        if unit.keep_full:
+            continue
+        for p, names in zip(unit.params, unit.names):
+            p.__class__ = PartitionedParameter
+            p._zero_unit = unit
+            p._zero_name = names[0]
+
+
+def unguard_parameters(units) -> None:
+    for unit in units:
+        for p in unit.params:
+            if type(p) is PartitionedParameter:
+                p.__class__ = nn.Parameter
+                p.__dict__.pop("_zero_unit", None)
+                p.__dict__.pop("_zero_name", None)
