@@ -189,8 +189,6 @@ class ZeroEngine:
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
 
         self._handles = register_hooks(self)
-        if cfg.shards_parameters:
-            guard_parameters(self.units)
         _ENGINES[model] = weakref.ref(self)
         self._undo_checkpointing = (
             apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.offload_activations)
@@ -206,6 +204,9 @@ class ZeroEngine:
                 initialize_deferred(self, pending)
         elif pretrained is not None:
             self.last_load_report = load_pretrained(self, pretrained)
+        if cfg.shards_parameters:
+            # Last: materialisation and loading above write through the parameters.
+            guard_parameters(self.units)
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:
