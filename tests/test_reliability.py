@@ -221,6 +221,10 @@ def _gathered_worker(rank, ws):
         out["after_close"] = "no error"
     except PartitionedParameterError as exc:
         out["after_close"] = str(exc)
+    # Whole values given back to such a parameter make it an ordinary one again.
+    w = model.blocks[0][0].weight
+    w.data = torch.ones(16, 16)
+    out["refilled"] = float(w.sum())
     return out
 
 
@@ -235,6 +239,7 @@ def test_partitioned_parameters_are_read_and_changed_through_the_gather_context(
         assert torch.equal(r["after_modify"], torch.full((16,), 0.5))
         assert r["forward"] == pytest.approx(r["reference_forward"], rel=1e-6)
         assert "has been closed" in r["after_close"] and "unshard=True" in r["after_close"], r["after_close"]
+        assert r["refilled"] == 256.0
 
 
 # ---------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ _METADATA = {
     torch.Tensor.get_device, torch.Tensor.__len__,
 } - {None}
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
+_SET_DATA = _setter("data")
 
 
 def _is_noop_move(func, args, kwargs) -> bool:
@@ -77,7 +78,20 @@ class PartitionedParameter(nn.Parameter):
             if released is not None and not (func in _MOVES and args and args[0] is released and _is_noop_move(func, args, kwargs)):
                 raise PartitionedParameterError(_message(released, func))
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if func == _SET_DATA and args and type(args[0]) is cls:
+            unit = args[0].__dict__.get("_zero_unit")
+            if unit is not None and unit.closed:
+                # New whole values given to a parameter its (closed) engine left sharded:
+                # it is an ordinary parameter again.
+                _unguard(args[0])
+        return result
+
+
+def _unguard(p) -> None:
+    p.__class__ = nn.Parameter
+    p.__dict__.pop("_zero_unit", None)
+    p.__dict__.pop("_zero_name", None)
 
 
 def _released(t) -> bool:
@@ -129,6 +143,4 @@ def unguard_parameters(units) -> None:
     for unit in units:
         for p in unit.params:
             if type(p) is PartitionedParameter:
-                p.__class__ = nn.Parameter
-                p.__dict__.pop("_zero_unit", None)
-                p.__dict__.pop("_zero_name", None)
+                _unguard(p)
