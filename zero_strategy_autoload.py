@@ -45,7 +45,7 @@ TARGETS = {
     "accelerate.commands.config.config_args": "integrations.accelerate.hooks:install_config_section",
     "accelerate.accelerator": "integrations.accelerate.hooks:install_accelerator",
     # zero3_init_flag: from_pretrained builds stage-3 models partitioned in such workers.
-    "transformers.modeling_utils": "integrations.accelerate.pretrained:install_from_environment",
+    "transformers.modeling_utils": "integrations.accelerate.loading:install_from_environment",
 }
 
 _ENV_SWITCH = "ZERO_STRATEGY_AUTOLOAD"

@@ -54,6 +54,25 @@ def _weights(out, tag):
     return torch.load(Path(out) / f"{tag}.pt", weights_only=True)
 
 
+@pytest.mark.slow
+def test_from_pretrained_in_configure_model_loads_each_ranks_slice(tmp_path):
+    """Under zero3, a transformers model loaded with from_pretrained in configure_model
+    comes unallocated and each rank reads its slices when fit starts; training matches
+    ddp, which loads the whole checkpoint normally."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
+    _scenario("pretrained", tmp_path, tmp_path / "hf")
+    for r in (0, 1):
+        z, d = _load(tmp_path, "pretrained-zero3", r), _load(tmp_path, "pretrained-ddp", r)
+        assert z["meta_in_configure"] is True and d["meta_in_configure"] is False
+        _assert_close_seq(z["losses"], d["losses"], 1e-5, 1e-7, "from_pretrained zero3 vs ddp")
+
+
 def _assert_close_seq(a, b, rtol, atol, what):
     assert len(a) == len(b) and len(a) > 0, f"{what}: {len(a)} vs {len(b)} values"
     for i, (x, y) in enumerate(zip(a, b)):
@@ -547,6 +566,39 @@ def scenario_ckpt(run):
     run.save_weights("ddp-epoch1", trainer, model)
 
 
+def scenario_pretrained(run, folder):
+    """A transformers model loaded with from_pretrained in configure_model."""
+    torch, pl = run.torch, run.pl
+    from transformers import AutoModelForCausalLM
+
+    class LM(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lm, self.losses, self.meta_in_configure = None, [], None
+
+        def configure_model(self):
+            if self.lm is None:
+                self.lm = AutoModelForCausalLM.from_pretrained(folder)
+                self.meta_in_configure = all(p.is_meta for p in self.lm.parameters())
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            loss = self.lm(input_ids=ids, labels=ids).loss
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 64, (32, 16), generator=g)), batch_size=4)
+    for s in ("zero3", "ddp"):
+        model = LM()
+        trainer = run.trainer(s, max_steps=3)
+        trainer.fit(model, data)
+        run.dump(f"pretrained-{s}", trainer, losses=model.losses, meta_in_configure=model.meta_in_configure)
+
+
 def load_consolidated(out, ckpt):
     """A plain process: no strategy, no process group."""
     import lightning.pytorch as pl
@@ -564,7 +616,7 @@ def _main(argv):
         return load_consolidated(out, argv[2])
     import lightning.pytorch as pl
 
-    globals()[f"scenario_{scenario}"](_Run(pl, out))
+    globals()[f"scenario_{scenario}"](_Run(pl, out), *argv[2:])
     import torch.distributed as dist
 
     if dist.is_initialized():  # plain ddp runs otherwise abort at exit here (gloo threads)

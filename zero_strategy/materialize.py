@@ -23,7 +23,7 @@ import contextlib
 import json
 import types
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional, Set
+from typing import Callable, Dict, Iterator, Mapping, Optional, Set
 
 import torch
 import torch.nn as nn
@@ -72,9 +72,10 @@ def keep_meta_on_moves(model: nn.Module) -> None:
 
 
 def forget_meta_moves(model: nn.Module) -> None:
-    bound = model.__dict__.get("_apply")
-    if isinstance(bound, types.MethodType) and bound.__func__ is _apply_keeping_meta:
-        del model.__dict__["_apply"]
+    for module in model.modules():
+        bound = module.__dict__.get("_apply")
+        if isinstance(bound, types.MethodType) and bound.__func__ is _apply_keeping_meta:
+            del module.__dict__["_apply"]
 
 
 def meta_parameter_ids(model: nn.Module) -> Set[int]:
@@ -252,21 +253,35 @@ def _key_resolver(model_names, file_keys) -> Callable[[str], Optional[str]]:
     return exact
 
 
+def _sources(path) -> Dict[str, tuple]:
+    """name (as the model would call it) -> (file, key in the file).  ``path`` is one
+    checkpoint, or a mapping ``{submodule name: checkpoint}`` for models that hold
+    pretrained submodules (``{"backbone": dir}`` loads ``dir``'s keys as ``backbone.*``)."""
+    if isinstance(path, Mapping):
+        out: Dict[str, tuple] = {}
+        for prefix, one in path.items():
+            lead = f"{prefix}." if prefix else ""
+            out.update({lead + k: (f, k) for k, f in _weight_files(one).items()})
+        return out
+    return {k: (f, k) for k, f in _weight_files(path).items()}
+
+
 def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[str, list]:
     """Fill the engine's parameters from safetensors weights, each rank reading only
     what it keeps; parameters missing from the files are initialised reproducibly
-    (deferred ones) or left as they are.  Returns ``{"missing": [...], "unexpected": [...]}``."""
+    (deferred ones) or left as they are.  ``path``: a file, a directory, or a mapping
+    ``{submodule name: file or directory}``.  Returns ``{"missing": [...], "unexpected": [...]}``."""
     from safetensors import safe_open
 
-    files = _weight_files(path)
+    files = _sources(path)
 
     @contextlib.contextmanager
-    def handle(f):
+    def handle(source):
         # A fresh memory map per tensor: pages of a map stay resident (and count as
         # this process's memory) until it is closed, so one long-lived map per file
         # would grow to the whole file as its tensors are read.
-        with safe_open(str(f), framework="pt") as h:
-            yield h
+        with safe_open(str(source[0]), framework="pt") as h:
+            yield h, source[1]
 
     buffer_names = [n for n, _ in engine.module.named_buffers()]
     model_names = [n for u in engine.units for names in u.names for n in names] + list(engine.untouched) + buffer_names
@@ -285,10 +300,10 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
             if owned is None:
                 continue
             a, b = owned
-            with handle(files[key]) as h:
-                values = _read_flat_range(h, key, a, b).clone()
+            with handle(files[key]) as (h, file_key):
+                values = _read_flat_range(h, file_key, a, b).clone()
             if values.numel() != b - a:
-                raise ValueError(f"{files[key]}: {key} has {values.numel()} elements in [{a}, {b}), expected {b - a}; shape mismatch?")
+                raise ValueError(f"{files[key][0]}: {files[key][1]} has {values.numel()} elements in [{a}, {b}), expected {b - a}; shape mismatch?")
             unit.write_param_values(i, values.to(torch.float32), start=a)
     with torch.no_grad():
         for name, p in engine.untouched.items():
@@ -297,8 +312,8 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
                 if p.device.type == "meta":
                     set_parameter_data(p, torch.empty(p.shape, dtype=engine.config.param_dtype, device=engine.device))
                     (pending or set()).discard(id(p))
-                with handle(files[key]) as h:
-                    p.copy_(h.get_tensor(key))
+                with handle(files[key]) as (h, file_key):
+                    p.copy_(h.get_tensor(file_key))
                 used.add(key)
             else:
                 missing.append(name)
@@ -306,8 +321,8 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
         for name, b in engine.module.named_buffers():
             key = key_of(name)
             if key is not None:
-                with handle(files[key]) as h:
-                    b.copy_(h.get_tensor(key))
+                with handle(files[key]) as (h, file_key):
+                    b.copy_(h.get_tensor(file_key))
                 used.add(key)
     if pending:
         provided = pending - not_provided

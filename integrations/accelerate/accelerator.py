@@ -47,7 +47,8 @@ from accelerate.accelerator import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import extract_model_from_parallel
 
-from . import pretrained as _pretrained
+from .. import pretrained as _pretrained
+from . import loading as _loading
 from . import settings as _settings
 from . import state as _state
 
@@ -84,7 +85,7 @@ class ZeroAccelerator(Accelerator):
             self.zero_settings = _settings.from_environment() or _settings.parse_section({})
         _settings.check_distributed_type(self.distributed_type)
         self.zero_config = self.zero_settings.zero_config(self.state.mixed_precision)
-        _pretrained.enable(self.zero_settings)
+        _loading.enable(self.zero_settings)
         # The engine casts parameters and inputs itself: no autocast, no GradScaler.
         self.native_amp = False
         self.scaler = None
@@ -159,7 +160,7 @@ class ZeroAccelerator(Accelerator):
 
         # sync_module_states: every rank starts from rank 0's values, as DDP does.  A model
         # from a partitioned from_pretrained (zero3_init_flag) is filled from its files now.
-        source = _pretrained.source_of(model)
+        source = _pretrained.sources_in(model)
         self._zero_engine = engine = zero_strategy.initialize(
             model, optimizer, self.zero_config, sync_module_states=True, device=self.device, pretrained=source
         )
@@ -175,10 +176,11 @@ class ZeroAccelerator(Accelerator):
             guard.remove()
         self._zero_pending = [m for m in self._zero_pending if m is not model]
 
-    def _zero_report_loading(self, model, source, report) -> None:
+    def _zero_report_loading(self, model, sources, report) -> None:
         # What the stock from_pretrained would have said about the checkpoint.
         if not self.is_main_process or not report:
             return
+        source = ", ".join(sorted(set(sources.values())))
         if report.get("missing"):
             warnings.warn(
                 f"Some weights of {type(model).__name__} were not in {source} and were newly initialised: "

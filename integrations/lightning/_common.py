@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import contextlib
 from contextlib import contextmanager
 from typing import Any, Mapping, Optional
 
@@ -138,8 +139,13 @@ def initialize_engine(module, optimizer, config, device=None):
     rank."""
     import zero_strategy
 
+    from .. import pretrained
+
     release_engine(module)
-    return zero_strategy.initialize(module, optimizer, config, device=device, sync_module_states=True)
+    # transformers models loaded in configure_model (stage 3) come unallocated, with the
+    # folder to read each rank's slices from.
+    sources = pretrained.sources_in(module) if has_meta_parameters(module) else None
+    return zero_strategy.initialize(module, optimizer, config, device=device, sync_module_states=True, pretrained=sources)
 
 
 @contextmanager
@@ -151,7 +157,12 @@ def partitioned_init(config):
     if config.stage == 3:
         import zero_strategy
 
-        with zero_strategy.init_context():
+        from .. import pretrained
+
+        # from_pretrained inside: partitioned too (when transformers is in use at all;
+        # otherwise importing it here would cost every user its import time).
+        loading = pretrained.partitioned_loading() if "transformers" in sys.modules else contextlib.nullcontext()
+        with zero_strategy.init_context(), loading:
             yield
     else:
         yield

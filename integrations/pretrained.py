@@ -1,37 +1,37 @@
-"""``zero3_init_flag``: ``from_pretrained`` builds stage-3 models partitioned.
+"""Partitioned ``from_pretrained`` for stage 3 (Accelerate's ``zero3_init_flag``, and
+Lightning's ``configure_model``).
 
-With ``zero_stage: 3`` and ``zero3_init_flag: true`` in the ``zero_config:`` section,
-``PreTrainedModel.from_pretrained`` (and every ``AutoModel*.from_pretrained``, which
-ends there) no longer reads the whole checkpoint in each process:
+While active, ``PreTrainedModel.from_pretrained`` (and every
+``AutoModel*.from_pretrained``, which ends there) no longer reads the whole checkpoint
+in each process:
 
 1. the config is read as usual and the model is built inside
    :func:`zero_strategy.init_context`: its parameters live on the meta device (no memory;
    buffers are built normally);
 2. the folder holding the safetensors weights is remembered on the model;
-3. ``accelerator.prepare`` hands that folder to ``zero_strategy.initialize(pretrained=)``,
-   so each rank reads from the files only the slice of each tensor it keeps, and
-   parameters missing from the files are initialised by the model's own initialiser
-   with values that do not depend on the world size.
+3. the integration that builds the engine passes :func:`sources_in` of the model (a
+   ``{submodule name: folder}`` mapping, so a transformers model held inside a
+   LightningModule works too) to ``zero_strategy.initialize(pretrained=)``: each rank
+   reads from the files only the slice of each tensor it keeps, and parameters missing
+   from the files are initialised by the model's own initialiser with values that do
+   not depend on the world size.
 
 Between 1 and 3 the model can be moved (``model.to(device)``, which the Trainer does):
-the meta parameters stay where they are and the engine places them.  The flag is
-active in a worker whose launcher exported such a section (the start-up hook calls
-:func:`install_from_environment` when ``transformers.modeling_utils`` is imported) and
-from the moment a ``ZeroAccelerator`` with such a section is created.  Calls it cannot
-serve this way (``device_map``, quantisation, an explicit ``state_dict``, weights only in
+the meta parameters stay where they are and the engine places them.  Calls this cannot
+serve (``device_map``, quantisation, an explicit ``state_dict``, weights only in
 ``pytorch_model.bin``, ...) fall back to the stock loader with a warning.
 
-This module imports transformers lazily: the start-up hook imports it inside
-transformers' own import.
+Who activates it: the Accelerate integration (``zero3_init_flag``, see
+:mod:`integrations.accelerate.loading`) and the Lightning strategies (around
+``configure_model`` at stage 3).  This module imports transformers lazily.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
-from typing import Optional
-
-from . import settings as _settings
+from typing import Dict, Optional
 
 SOURCE_ATTR = "_zero_strategy_pretrained_source"
 """Set on a model built partitioned: the folder (or file) its weights are loaded from."""
@@ -49,25 +49,28 @@ _IGNORED = ("low_cpu_mem_usage", "use_safetensors", "ignore_mismatched_sizes", "
             "_from_auto", "_from_pipeline", "_commit_hash", "adapter_kwargs", "user_agent", "key_mapping")
 
 
-def enable(settings) -> None:
-    """Activate partitioned ``from_pretrained`` when ``settings`` ask for it (stage 3)."""
+def activate() -> None:
+    """From now on (until :func:`deactivate`), ``from_pretrained`` builds partitioned."""
     global _active
-    if settings is None or not settings.zero3_init_flag:
-        return
-    stage = int(settings.engine.get("stage", 2))
-    if stage != 3:
-        # As with DeepSpeed: only stage 3 partitions parameters, so there is nothing to
-        # build partitioned; the model is built whole and partitioned by prepare.
-        _log.info("zero_config.zero3_init_flag has no effect at zero_stage %s (only stage 3 partitions parameters)", stage)
-        return
     _patch()
     _active = True
 
 
-def install_from_environment(module=None) -> None:
-    """Start-up hook for ``transformers.modeling_utils`` in a launched worker."""
-    if os.environ.get(_settings.ENV_VAR):
-        enable(_settings.from_environment())
+def deactivate() -> None:
+    global _active
+    _active = False
+
+
+@contextlib.contextmanager
+def partitioned_loading():
+    """Active inside (restores the previous state on exit)."""
+    global _active
+    previous = _active
+    activate()
+    try:
+        yield
+    finally:
+        _active = previous
 
 
 def _patch() -> None:
@@ -182,3 +185,11 @@ def _load_generation_config(model, folder) -> None:
 def source_of(model) -> Optional[str]:
     """The weights folder a partitioned ``from_pretrained`` left on ``model`` (None if none)."""
     return getattr(model, SOURCE_ATTR, None)
+
+
+def sources_in(module) -> Optional[Dict[str, str]]:
+    """``{submodule name: weights folder}`` for every submodule (the root is ``""``) that a
+    partitioned ``from_pretrained`` built, ready for ``initialize(pretrained=...)``; None
+    when there is none."""
+    found = {name: source_of(m) for name, m in module.named_modules() if source_of(m) is not None}
+    return found or None
