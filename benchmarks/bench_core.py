@@ -385,14 +385,7 @@ def main(argv=None):
         summary = run(args, progress=bar.update)
     finally:
         bar.close()
-    table = report.markdown_run(summary)
-    sys.stdout.write(table)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(table)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
+    report.write_outputs(report.markdown_run(summary), summary, args.output, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,65 @@
+"""Smoke tests for the benchmark harness in benchmarks/ (issue #7)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+
+
+def _import_bench(name):
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    return __import__(name)
+
+
+@pytest.mark.slow
+def test_quick_harness_two_processes(tmp_path):
+    """run_all --quick on 2 gloo processes: DDP, zero3 and FSDP2 (stage-3 sharding)."""
+    page = tmp_path / "bench.md"
+    cmd = [
+        sys.executable, os.path.join(BENCH, "run_all.py"), "--quick", "--no-simulate",
+        "--systems", "ddp,zero3,fsdp2_zero3", "--precisions", "fp32", "--world-sizes", "2",
+        "--output-dir", str(tmp_path / "out"), "--page", str(page),
+        # The 0.5M-parameter smoke model has no parameter above the default
+        # param_persistence_threshold (1e5 elements): shard them all, as the formula assumes.
+        "--zero-config", '{"param_persistence_threshold": 0}',
+        "--timeout", "240",
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    text = page.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| system")]
+    labels = [line.split("|")[1].strip() for line in rows]
+    assert labels == ["DDP", "zero_strategy stage 3", "FSDP2 (reshard after fwd)"], labels
+    assert (tmp_path / "out" / "step_time_vs_ddp.png").stat().st_size > 0
+    assert (tmp_path / "out" / "memory_quick_fp32.png").stat().st_size > 0
+
+    summary = json.loads((tmp_path / "out" / "results" / "quick_fp32_ws2.json").read_text())
+    by = {r["system"]: r for r in summary["rows"]}
+    for name in ("zero3", "fsdp2_zero3"):
+        assert by[name]["max_dloss"] < 1e-4, (name, by[name]["max_dloss"])
+        assert by[name]["comm_elements"] == by[name]["paper_comm"], name  # exactly 3Ψ (N divides units)
+    z = by["zero3"]
+    assert abs(z["model_state_bytes"] - z["paper_bytes"]) <= 0.01 * z["paper_bytes"], z
+    d = by["ddp"]  # + Adam's scalar step counters
+    assert 0 <= d["model_state_bytes"] - d["paper_bytes"] <= 0.01 * d["paper_bytes"], d
+    for r in summary["rows"]:
+        assert r["median_s"] > 0 and r["peak_live_bytes"] >= r["resident_bytes"] > 0, r
+
+
+def test_simulate_scale_7b_plan_matches_formula():
+    """The partition plan for a meta 7B Llama at N=256 (fake process group) vs the formula."""
+    simulate_scale = _import_bench("simulate_scale")
+    rows = simulate_scale.simulate("7b", 256, stages=(0, 1, 2, 3), precision="bf16")
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert 6.5e9 < r["psi"] < 7e9
+        assert abs(r["plan_bytes"] - r["formula_bytes"]) <= 0.01 * r["formula_bytes"], r
+    assert rows[3]["plan_bytes"] < 0.5e9  # 16Ψ/256 = 0.42 GB
+    table = simulate_scale.markdown(rows)
+    assert table.count("\n| 7b |") == 4
