@@ -23,7 +23,7 @@ EXPECTED_DEFAULTS = {
     "reduce_bucket_size": 5_000_000,
     "allgather_bucket_size": 25_000_000,
     "overlap_comm": True,
-    "prefetch_bucket_size": 50_000_000,
+    "prefetch_bucket_size": 5_000_000,
     "param_persistence_threshold": 100_000,
     "unit_modules": ("auto",),
     "loss_scale": 0.0,

@@ -370,3 +370,41 @@ def test_sync_module_states_engine_registry_and_unshard_on_close():
     r0, r1 = run_distributed(_lifecycle_worker, 2)
     for r in (r0, r1):
         assert r["raised"] and r["closed"] and r["same"] and r["finite"]
+
+
+def test_stage3_prefetch_holds_at_most_the_budget_or_the_next_block_ahead():
+    """Peak memory of gathered parameters: with the default budget (smaller than two of
+    these blocks) at most the running block and the next one are gathered at any time;
+    a budget of 0 gathers one at a time; a huge budget gathers everything ahead."""
+    import zero_strategy
+    from zero_strategy.gather import ModuleGroup
+
+    def max_gathered(prefetch):
+        model = tiny_gpt2(n_layer=4, n_embd=64)
+        engine = zero_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                          dict(stage=3, param_persistence_threshold=0, prefetch_bucket_size=prefetch))
+        blocks = [g for g in engine.gatherer.groups if g.module is not model]
+        seen = []
+        original = ModuleGroup.start_gather
+
+        def spy(group, comm):
+            original(group, comm)
+            seen.append(sum(g.gathered for g in blocks))
+
+        ModuleGroup.start_gather = spy
+        try:
+            ids = torch.randint(0, 96, (2, 8))
+            for _ in range(2):  # the first step records the order; the second prefetches
+                engine.backward(model(input_ids=ids, labels=ids).loss)
+                engine.step()
+        finally:
+            ModuleGroup.start_gather = original
+        block = max(g.numel for g in blocks)
+        engine.close()
+        return max(seen), block, len(blocks)
+
+    most, block, n = max_gathered(5_000_000 // 100)  # ~1 block of this tiny model
+    assert block < 5_000_000 // 100 < 2 * block
+    assert most <= 2, most
+    assert max_gathered(0)[0] == 1
+    assert max_gathered(10**9)[0] == n  # everything ahead

@@ -181,9 +181,11 @@ class ZeroConfig:
     """Launch gradient reductions during backward instead of after it, hiding
     communication behind computation at the cost of one more bucket of memory."""
 
-    prefetch_bucket_size: int = 50_000_000
+    prefetch_bucket_size: int = 5_000_000
     """Stage 3: elements of parameters gathered ahead of the module that needs them
-    (>= 0; 0 disables prefetch)."""
+    (>= 0; 0 disables prefetch). The next module is always prefetched (when > 0), more
+    only while they fit, so the default keeps one block ahead for most models, as
+    FSDP2 does; raise it to hide more latency at the cost of memory."""
 
     param_persistence_threshold: int = 100_000
     """Stage 3: parameters with fewer elements than this stay whole on every rank, since

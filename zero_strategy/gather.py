@@ -85,13 +85,20 @@ class ParameterGatherer:
         group.wait()
 
     def _prefetch(self, candidates) -> None:
+        """Gather ahead the groups that come next, within ``prefetch_numel`` elements
+        (counting those already gathered): always the next one, then more only while
+        they fit, so the parameters held ahead never exceed max(budget, next group)."""
         budget = self.prefetch_numel
-        for g in candidates:
-            if budget <= 0:
+        if budget <= 0:
+            return
+        for i, g in enumerate(candidates):
+            if i > 0 and g.numel > budget:
                 break
             if not g.gathered:
                 g.start_gather(self.comm)
             budget -= g.numel
+            if budget <= 0:
+                break
 
     # -- forward ------------------------------------------------------------------------
     def pre_forward(self, group: ModuleGroup) -> None:
