@@ -113,8 +113,13 @@ def test_overhead_terms_when_requested():
     for s, partitioned_bytes in ((1, 12), (2, 14), (3, 16)):
         bound = units * (n - 1) * partitioned_bytes / n
         assert 0 < r[s].overheads["padding"] <= bound + 1
-    # Stage 3: the gathered unit and the prefetched parameters, fp16 params + grads.
-    assert r[3].overheads["gathered_parameters"] == (200_000_000 + 50_000_000) * 4
+    # Stage 3: the gathered unit and the prefetched parameters, fp16 params + grads;
+    # a budget below one unit still prefetches the next unit (the largest, at most).
+    assert r[3].overheads["gathered_parameters"] == (200_000_000 + 200_000_000) * 4
+    big = estimate(PSI, n, 3, "fp16", "adam", **dict(args, prefetch_bucket_size=500_000_000))
+    assert big.overheads["gathered_parameters"] == (200_000_000 + 500_000_000) * 4
+    off = estimate(PSI, n, 3, "fp16", "adam", **dict(args, prefetch_bucket_size=0))
+    assert off.overheads["gathered_parameters"] == 200_000_000 * 4
     # Persistent parameters: whole instead of 1/64, for params and grads.
     assert r[3].overheads["persistent_parameters"] == 1_000_000 * 4 * 63 // 64
     for s in range(3):

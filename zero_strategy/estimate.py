@@ -114,7 +114,8 @@ def estimate(
       states the stage partitions (K; g+K; p+g+K).
     - "reduce_buckets" (reduce_bucket_size, stages 0-2): 2 * reduce_bucket_size * g.
     - "gathered_parameters" (largest_unit and/or prefetch_bucket_size, stage 3):
-      (largest_unit + prefetch_bucket_size) * (p + g), capped at the whole model.
+      (largest_unit + max(prefetch_bucket_size, largest_unit)) * (p + g) (the next unit
+      is always prefetched when prefetch is on), capped at the whole model.
     - "persistent_parameters" (persistent_params, stage 3):
       persistent_params * (p + g) * (1 - 1/N), rounded up.
     """
@@ -141,8 +142,10 @@ def estimate(
     prefetch = None if prefetch_bucket_size is None else _count(
         "prefetch_bucket_size", prefetch_bucket_size, 0)
     if stage == 3 and (largest or prefetch is not None):
-        # Prefetching cannot hold more than the whole model at once.
-        overheads["gathered_parameters"] = min(largest + (prefetch or 0), psi) * (p + g)
+        # The unit in use, plus what is prefetched: the budget, but always the next unit
+        # (at most the largest) when prefetch is on; never more than the whole model.
+        ahead = max(prefetch, largest) if prefetch else 0
+        overheads["gathered_parameters"] = min(largest + ahead, psi) * (p + g)
     persistent = _count("persistent_params", persistent_params, 0)
     if persistent > psi:
         raise ValueError(f"persistent_params ({persistent}) cannot exceed num_params ({psi})")
