@@ -39,8 +39,10 @@ def _worker(rank, ws, args, store_path, queue):
                                                                param_persistence_threshold=0))
             ids = torch.randint(0, args.vocab, (2, 64))
             engine.backward(model(input_ids=ids, labels=ids).loss)
+            engine.step()  # creates the optimizer state
+            engine.backward(model(input_ids=ids, labels=ids).loss)
+            r = engine.memory_report()  # before the step: every model state exists
             engine.step()
-            r = engine.memory_report()
             psi = sum(p.numel() for p in model.parameters())
             est = zero_strategy.estimate(psi, ws, stage, precision="bf16", optimizer="adam")
             rows.append((stage, offload, psi, r["device"], r["host"], r["total"], est.total))

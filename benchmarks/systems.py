@@ -266,16 +266,19 @@ class ZeroSystem:
 
     def backward(self, loss):
         self.engine.backward(loss)
+        # Model states are complete between backward and step: stages 2-3 free their
+        # gradient shards in step() (as FSDP2 frees its gradients in zero_grad()).
+        self._after_backward = self.engine.memory_report()
 
     def step(self):
         self.engine.step()
 
     def zero_grad(self):
-        pass  # engine.step() zeroes the (kept) gradient buffers
+        pass  # engine.step() does it
 
     def model_state_bytes(self):
-        r = self.engine.memory_report()
-        return sum(r[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state"))
+        r = self._after_backward
+        return sum(r[k] for k in ("parameters", "gradients", "master_weights")) + self.engine.memory_report()["optimizer_state"]
 
     def reset_comm(self):
         self.engine.reset_comm_report()

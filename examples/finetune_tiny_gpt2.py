@@ -169,6 +169,10 @@ def main() -> None:
             step_loss += loss.detach().float() / args.accum
         if args.clip > 0:
             engine.clip_grad_norm_(args.clip)
+        if step == args.steps - 1:
+            # Between backward and step every model state exists (stages 2-3 free their
+            # gradient shards in step()): the moment the paper's formula describes.
+            memory = engine.memory_report()
         if engine.step():
             scheduler.step()
         else:
@@ -186,7 +190,7 @@ def main() -> None:
         print(f"\nloss {first_loss:.4f} -> {last_loss:.4f} in {args.steps} steps, "
               f"{elapsed:.1f} s ({elapsed / args.steps * 1000:.0f} ms/step)"
               + (f", {skipped} step(s) skipped on fp16 overflow" if skipped else ""))
-        report_memory(engine, num_params, world_size, args)
+        report_memory(memory, engine, num_params, world_size, args)
         report_comm(comm, num_params, args)
 
     # -- consolidated weights -> plain transformers ------------------------------------
@@ -217,9 +221,8 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def report_memory(engine, num_params: int, world_size: int, args) -> None:
-    """What this rank holds now, next to the paper's formula for the same Ψ."""
-    got = engine.memory_report()
+def report_memory(got, engine, num_params: int, world_size: int, args) -> None:
+    """What this rank held before the last step, next to the paper's formula for the same Ψ."""
     est = zero_strategy.estimate(num_params, world_size, args.stage, args.precision, "adamw",
                                  num_units=len(engine.units))
     # The paper's K (optimizer bytes per parameter) includes the fp32 master copy in

@@ -55,19 +55,25 @@ def _memory_worker(rank, ws, jobs):
         )
         ids = torch.randint(0, 1024, (2, 16), generator=torch.Generator().manual_seed(rank))
         # One step to create the optimizer state, then measure the comm of a second one.
+        # One step to create the optimizer state; the second is measured: model states
+        # between its backward and its step (when they all exist: stages 2-3 free their
+        # gradient shards after the step), communication over the whole step.
         for i in range(2):
             if i == 1:
                 engine.reset_comm_report()
             loss = model(input_ids=ids, labels=ids).loss
             engine.backward(loss)
-            engine.step()
             del loss
+            if i == 1:
+                report = engine.memory_report()
+            engine.step()
         comm = engine.comm_report()
-        report = engine.memory_report()
+        after_step = engine.memory_report()
         padded = sum(u.layout.padded_numel for u in engine.units)
         del ids
-        live = live_tensor_bytes() - baseline
-        out.append(dict(stage=stage, precision=precision, psi=psi, report=report, live=live,
+        gc.collect()
+        live = live_tensor_bytes() - baseline  # after the step: no transient buffers left
+        out.append(dict(stage=stage, precision=precision, psi=psi, report=report, live=live, after_step=after_step,
                         paper_volume=comm.paper_volume, kinds=comm.as_dict(), padded=padded))
         engine.close()
         del engine, model, opt
@@ -93,12 +99,27 @@ def test_memory_report_matches_paper_formula(measured):
 
 
 @pytest.mark.slow
+def test_gradient_shards_are_freed_between_steps_at_stages_2_and_3(measured):
+    """Stages 2-3 hold their gradient shards only from backward to step (the next
+    forward's activations do not sit beside them); stages 0-1 keep whole gradients."""
+    n, per_rank = measured
+    for rank_results in per_rank:
+        for r in rank_results:
+            before, after = r["report"]["gradients"], r["after_step"]["gradients"]
+            assert before > 0
+            assert after == (0 if r["stage"] >= 2 else before), (r["stage"], r["precision"], before, after)
+
+
+@pytest.mark.slow
 def test_live_tensor_bytes_agree_with_formula(measured):
-    """Independent of memory_report: every live tensor storage in the process."""
+    """Independent of memory_report: every live tensor storage in the process, after the
+    step, when stages 2-3 have freed their gradient shards (the formula's gΨ/N term)."""
     n, per_rank = measured
     for rank_results in per_rank:
         for r in rank_results:
             expected = paper_bytes(r["psi"], n, r["stage"], r["precision"])
+            if r["stage"] >= 2:
+                expected -= (2 if r["precision"] != "fp32" else 4) * r["psi"] / n
             assert abs(r["live"] - expected) <= 0.01 * expected + 64 * 1024, (n, r["stage"], r["precision"], r["live"], expected)
 
 

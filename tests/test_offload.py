@@ -48,8 +48,12 @@ def _memory_worker(rank, ws):
         engine = zero_strategy.initialize(model, opt, dict(stage=2, precision="bf16", offload_optimizer=offload))
         ids = torch.randint(0, 96, (2, 8))
         engine.backward(model(input_ids=ids, labels=ids).loss)
-        engine.step()
+        engine.step()  # creates the optimizer state
+        engine.backward(model(input_ids=ids, labels=ids).loss)
+        # Between backward and step every model state exists (stage 2 frees its device
+        # gradient shard in step(); the offloaded host shard stays).
         out[offload] = (engine.memory_report(), sum(p.numel() for p in model.parameters()))
+        engine.step()
         engine.close()
     return out
 

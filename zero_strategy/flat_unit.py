@@ -161,6 +161,13 @@ class FlatUnit:
                     # rounding it back into the compute-dtype buffer.
                     self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=reduce_dtype, device=self.device)
         self.grad_shard_is_fresh = True  # nothing accumulated into grad_shard since zero_grad
+        # Stages 2-3 on the device: the gradient shard's storage is freed by zero_grad and
+        # re-grown by the next reduction, so it does not sit beside the activations of the
+        # next forward (its bytes count only from backward to step, as in FSDP2).
+        # (Not on the meta device: planning dry runs report the model states of a step.)
+        self.frees_grad_between_steps = (
+            self.grad_shard is not None and shards_gradients and offload_device is None and self.grad_shard.device.type != "meta"
+        )
         self.slice_holds_reduced = False  # stage 1: grad_full[own slice] is already reduced
         self.slice_prescaled = False  # stage 1: ...and multiplied by N for another reduction
         self.ready: set = set()  # ids of params whose gradient arrived in this backward
@@ -279,8 +286,17 @@ class FlatUnit:
         there yet, otherwise a temporary to be added (see :meth:`finish_reduction`)."""
         g = self.grad_shard
         if g is not None and self.grad_shard_is_fresh and g.dtype == self.reduce_dtype and g.device == self.device:
+            self._regrow_grad_shard()  # no need to zero: the collective overwrites it
             return g
         return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+
+    def _regrow_grad_shard(self) -> bool:
+        """Give a freed gradient shard its storage back; True if it had none."""
+        storage = self.grad_shard.untyped_storage()
+        if storage.nbytes() == 0 and self.grad_shard.numel() > 0:
+            storage.resize_(self.grad_shard.numel() * self.grad_shard.element_size())
+            return True
+        return False
 
     def finish_reduction(self, reduced: torch.Tensor, replicated: bool) -> None:
         """Fold a completed collective's result into this rank's gradient slice.
@@ -291,6 +307,7 @@ class FlatUnit:
             if reduced.data_ptr() != self.grad_full.data_ptr():
                 self.grad_full.copy_(reduced)
         elif self.grad_shard is not None:
+            self._regrow_grad_shard()
             if reduced.data_ptr() != self.grad_shard.data_ptr():
                 if self.grad_shard_is_fresh:
                     self.grad_shard.copy_(reduced)
@@ -325,6 +342,8 @@ class FlatUnit:
     def reduced_grad(self) -> torch.Tensor:
         """This rank's averaged gradient slice (stage 0: the whole replicated gradient)."""
         if self.grad_shard is not None:
+            if self._regrow_grad_shard():
+                self.grad_shard.zero_()  # no reduction since zero_grad: the gradient is zero
             return self.grad_shard
         if self.slice_prescaled:  # a forward ran but no synchronised backward followed
             self.grad_full[self._lo : self._hi].div_(self.layout.world_size)
@@ -339,7 +358,9 @@ class FlatUnit:
     def zero_grad(self) -> None:
         if not self.trainable:
             return
-        if self.grad_shard is not None:
+        if self.frees_grad_between_steps:
+            self.grad_shard.untyped_storage().resize_(0)
+        elif self.grad_shard is not None:
             self.grad_shard.zero_()
         if self.shards_gradients:
             self.grad_full = None
@@ -369,4 +390,5 @@ class FlatUnit:
 
 
 def _nbytes(t: Optional[torch.Tensor]) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    # Storage bytes, so that freed (resized-to-0) buffers count as what they hold: nothing.
+    return 0 if t is None else min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
