@@ -66,9 +66,13 @@ def run_system(name, args, rank, world_size, batches, progress):
     def one_step(x, measure):
         loss = system.forward(x)
         system.backward(loss)
+        # Model states are measured where they all exist: zero_strategy's stages 2-3 free
+        # their gradient shards in step(); FSDP2 frees its gradients in zero_grad().
+        early = getattr(system, "states_before_step", False)
+        states = system.model_state_bytes() if measure and early else None
         system.step()
-        # Between step() and zero_grad(): FSDP2 frees (set_to_none) its gradients after it.
-        states = system.model_state_bytes() if measure else None
+        if measure and not early:
+            states = system.model_state_bytes()
         system.zero_grad()
         return loss.detach(), states
 

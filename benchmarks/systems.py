@@ -264,11 +264,11 @@ class ZeroSystem:
     def forward(self, x):
         return self.model(input_ids=x, labels=x).loss
 
+    # Stages 2-3 free their gradient shards in step(): the harness measures before it.
+    states_before_step = True
+
     def backward(self, loss):
         self.engine.backward(loss)
-        # Model states are complete between backward and step: stages 2-3 free their
-        # gradient shards in step() (as FSDP2 frees its gradients in zero_grad()).
-        self._after_backward = self.engine.memory_report()
 
     def step(self):
         self.engine.step()
@@ -277,8 +277,8 @@ class ZeroSystem:
         pass  # engine.step() does it
 
     def model_state_bytes(self):
-        r = self._after_backward
-        return sum(r[k] for k in ("parameters", "gradients", "master_weights")) + self.engine.memory_report()["optimizer_state"]
+        r = self.engine.memory_report()
+        return sum(r[k] for k in ("parameters", "gradients", "master_weights", "optimizer_state"))
 
     def reset_comm(self):
         self.engine.reset_comm_report()

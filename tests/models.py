@@ -27,3 +27,15 @@ def two_group_optimizer(model, lr: float = 1e-2, cls=torch.optim.AdamW, **defaul
 def lm_batches(steps: int, global_batch: int, seq: int = 16, vocab: int = 96, seed: int = 1234):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (global_batch, seq), generator=g) for _ in range(steps)]
+
+
+class ResidualBlock(torch.nn.Module):
+    """x + tanh(Linear(x)): the repeated block of the Lightning workloads (a unit module
+    under stage 3)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + x

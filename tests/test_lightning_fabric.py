@@ -75,13 +75,7 @@ def _main(out):
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    class Block(nn.Module):
-        def __init__(self, d):
-            super().__init__()
-            self.lin = nn.Linear(d, d)
-
-        def forward(self, x):
-            return torch.tanh(self.lin(x)) + x
+    from models import ResidualBlock as Block
 
     def build(seed):
         torch.manual_seed(seed)

@@ -100,9 +100,6 @@ class ZeroEngine:
         self.last_load_report: Optional[Dict[str, list]] = None  # from pretrained=: missing / unexpected names
         cfg = self.config
         compute_dtype = cfg.param_dtype
-        if cfg.offload_optimizer == "cpu" and cfg.stage == 0:
-            raise ValueError("offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
-
         existing = engine_of(model)
         if existing is not None:
             raise ValueError(
@@ -494,8 +491,6 @@ class ZeroEngine:
         if modifier_rank is not None and not 0 <= int(modifier_rank) < self.comm.world_size:
             raise ValueError(f"modifier_rank must be a rank of the engine's process group (0..{self.comm.world_size - 1}), got {modifier_rank}")
         wanted = {id(p) for m in (modules or (self.module,)) for p in m.parameters()}
-        if not modules or any(m is self.module for m in modules):
-            wanted |= {id(p) for u in self.units for p in u.params}
         units = [u for u in self.units if any(id(p) in wanted for p in u.params)]
         untouched = [p for p in self.untouched.values() if id(p) in wanted]
         gathered_here = []

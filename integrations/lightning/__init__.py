@@ -65,26 +65,26 @@ def _register(registry, kind: str, namespace: str) -> None:
         registry.register(name, factory, description=description, **params)
 
 
-def register_trainer_strategies(module=None) -> None:
-    """Start-up hook target for ``lightning.pytorch.strategies`` / ``pytorch_lightning.strategies``."""
+def _register_from_hook(module, kind: str, namespaces, registry_attr: str) -> None:
+    # Called with the strategies module by the start-up hook; without it, for every
+    # distribution already imported.
     if module is None:
-        for ns in ("lightning.pytorch", "pytorch_lightning"):
+        for ns in namespaces:
             if f"{ns}.strategies" in sys.modules:
-                register_trainer_strategies(sys.modules[f"{ns}.strategies"])
+                _register_from_hook(sys.modules[f"{ns}.strategies"], kind, namespaces, registry_attr)
         return
     namespace = module.__name__.rsplit(".", 1)[0]
-    _register(module.StrategyRegistry, "trainer", namespace)
+    _register(getattr(module, registry_attr), kind, namespace)
+
+
+def register_trainer_strategies(module=None) -> None:
+    """Start-up hook target for ``lightning.pytorch.strategies`` / ``pytorch_lightning.strategies``."""
+    _register_from_hook(module, "trainer", ("lightning.pytorch", "pytorch_lightning"), "StrategyRegistry")
 
 
 def register_fabric_strategies(module=None) -> None:
     """Start-up hook target for ``lightning.fabric.strategies`` / ``lightning_fabric.strategies``."""
-    if module is None:
-        for ns in ("lightning.fabric", "lightning_fabric"):
-            if f"{ns}.strategies" in sys.modules:
-                register_fabric_strategies(sys.modules[f"{ns}.strategies"])
-        return
-    namespace = module.__name__.rsplit(".", 1)[0]
-    _register(module.STRATEGY_REGISTRY, "fabric", namespace)
+    _register_from_hook(module, "fabric", ("lightning.fabric", "lightning_fabric"), "STRATEGY_REGISTRY")
 
 
 def register_all() -> None:

@@ -42,6 +42,7 @@ from ._common import (
     has_meta_parameters,
     initialize_engine,
     partitioned_init,
+    process_group_mixin,
     resolve_plugin_flag,
     split_client_state,
 )
@@ -135,7 +136,11 @@ def _build(ns: str) -> Tuple[type, type]:
         def clip_grad_by_value(self, optimizer, clip_val) -> None:
             self._engine().clip_grad_value_(float(clip_val))
 
-    class ZeroStrategy(ParallelStrategy):
+    ProcessGroupMixin = process_group_mixin(
+        SubprocessScriptLauncher, dist_utils, (rank_zero.rank_zero_only, utils_rank_zero_only)
+    )
+
+    class ZeroStrategy(ProcessGroupMixin, ParallelStrategy):
         """ZeRO data parallelism (zero_strategy) for the Lightning Trainer.
 
         ``ZeroStrategy(stage=3, overlap_comm=True, ...)`` or ``ZeroStrategy(config="zero.yaml")``:
@@ -188,26 +193,9 @@ def _build(ns: str) -> Tuple[type, type]:
             return self._engine.config if self._engine is not None else self._base_config
 
         @property
-        def root_device(self) -> torch.device:
-            assert self.parallel_devices is not None
-            return self.parallel_devices[self.local_rank]
-
-        @property
-        def num_processes(self) -> int:
-            return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-        @property
         def is_distributed(self) -> bool:
             # Without it Lightning injects no DistributedSampler and sync_dist does nothing.
             return True
-
-        @property
-        def distributed_sampler_kwargs(self) -> dict:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-        @property
-        def process_group_backend(self) -> Optional[str]:
-            return self._process_group_backend
 
         @property
         def restore_checkpoint_after_setup(self) -> bool:
@@ -236,27 +224,14 @@ def _build(ns: str) -> Tuple[type, type]:
             self._precision_plugin = plugin
 
         # -- processes -------------------------------------------------------------------
-        def _configure_launcher(self) -> None:
-            assert self.cluster_environment is not None
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
         def setup_environment(self) -> None:
             super().setup_environment()
             reset_seed()
             self.set_world_ranks()
-            if self._process_group_backend is None:
-                self._process_group_backend = dist_utils._get_default_process_group_backend_for_device(self.root_device)
-            kwargs: Dict[str, Any] = {"timeout": self._timeout}
-            if self.root_device.type != "cpu":
-                kwargs["device_id"] = self.root_device
-            dist_utils._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+            self._init_process_group()
 
         def set_world_ranks(self) -> None:
-            if self.cluster_environment is not None:
-                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-            rank_zero.rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+            self._publish_world_ranks()
 
         # -- model and optimizer ---------------------------------------------------------
         def _resolved_config(self):
@@ -347,25 +322,8 @@ def _build(ns: str) -> Tuple[type, type]:
                 yield
 
         # -- collectives -------------------------------------------------------------------
-        def barrier(self, name: Optional[str] = None) -> None:
-            if not dist_utils._distributed_is_initialized():
-                return
-            if torch.distributed.get_backend() == "nccl":
-                torch.distributed.barrier(device_ids=[self.root_device.index])
-            else:
-                torch.distributed.barrier()
-
-        def broadcast(self, obj, src: int = 0):
-            if not dist_utils._distributed_is_initialized():
-                return obj
-            box = [obj]
-            torch.distributed.broadcast_object_list(box, src, group=dist_utils.group.WORLD)
-            return box[0]
-
         def reduce(self, tensor, group=None, reduce_op="mean"):
-            if isinstance(tensor, torch.Tensor):
-                return dist_utils._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            return tensor
+            return self._sync_tensor(tensor, group, reduce_op)
 
         # -- checkpoints ---------------------------------------------------------------------
         def lightning_module_state_dict(self) -> dict:
