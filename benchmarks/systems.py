@@ -250,7 +250,20 @@ class DDPSystem:
         del self.ddp, self.model, self.optimizer
 
 
-class ZeroSystem:
+class _EngineDriven:
+    """Systems whose engine object runs backward and step (and zeroes in step)."""
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+
+    def step(self):
+        self.engine.step()
+
+    def zero_grad(self):
+        pass  # engine.step() does it
+
+
+class ZeroSystem(_EngineDriven):
     def __init__(self, args, world_size, stage):
         import zero_strategy
 
@@ -266,15 +279,6 @@ class ZeroSystem:
 
     # Stages 2-3 free their gradient shards in step(): the harness measures before it.
     states_before_step = True
-
-    def backward(self, loss):
-        self.engine.backward(loss)
-
-    def step(self):
-        self.engine.step()
-
-    def zero_grad(self):
-        pass  # engine.step() does it
 
     def model_state_bytes(self):
         r = self.engine.memory_report()
@@ -348,7 +352,7 @@ class FSDP2System(_CountsCollectives):
         del self.model, self.optimizer
 
 
-class DeepSpeedSystem(_CountsCollectives):
+class DeepSpeedSystem(_EngineDriven, _CountsCollectives):
     def __init__(self, args, world_size, stage):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
@@ -382,15 +386,6 @@ class DeepSpeedSystem(_CountsCollectives):
 
     def forward(self, x):
         return self.engine(input_ids=x, labels=x).loss
-
-    def backward(self, loss):
-        self.engine.backward(loss)
-
-    def step(self):
-        self.engine.step()
-
-    def zero_grad(self):
-        pass  # engine.step() does it
 
     def model_state_bytes(self):
         return None  # no public accounting: the harness reports resident tensor bytes instead
