@@ -296,6 +296,28 @@ def test_save_state_then_load_state_in_a_fresh_process(launcher):
 
 
 @pytest.mark.slow
+def test_load_state_refuses_a_planted_client_state(launcher):
+    """A client_state.pt planted in the engine's sub-folder (the integration never writes
+    one) is refused on load_state, on both ranks, and runs nothing."""
+    import shutil
+
+    from test_untrusted_files import plant_client_state
+
+    launcher.loop("zero3_bf16", "zero3", "bf16", extra=["--save-state-at", "3", "--state-dir", str(launcher.root / "state_zero3_bf16")])
+    planted = launcher.root / "state_planted"
+    shutil.copytree(launcher.root / "state_zero3_bf16", planted)
+    marker = launcher.root / "planted_marker"
+    plant_client_state(planted / "zero_checkpoint", marker)
+    folder = launcher.root / "planted_run"
+    folder.mkdir()
+    args = [*LOOP_ARGS, "--out", str(folder / "out.json"), "--resume-from", str(planted), "--start-step", "3"]
+    proc = launcher.run(launcher.command("zero3", LOOP, args, "bf16"), expect_ok=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("weights_only=False") >= 2, proc.stderr[-4000:]  # one CheckpointError per rank
+    assert not marker.exists() and not (folder / "out.json").exists()
+
+
+@pytest.mark.slow
 def test_fp16_overflow_skips_the_step(launcher):
     got, _ = launcher.loop("zero2_fp16", "zero2", "fp16",
                            extra=["--steps", "5", "--accum", "1", "--inf-at", "2", "--track-weights"])

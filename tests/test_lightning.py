@@ -250,6 +250,10 @@ def test_trainer_checkpoint_resume_and_consolidation(tmp_path):
         first, evaluated = _load(tmp_path, f"first-{s}"), _load(tmp_path, f"evalckpt-{s}")
         _assert_close_seq([evaluated["val_loss"]], [first["val_loss"]], 1e-6, 1e-8, f"{s} validate(ckpt_path=...)")
     # Consolidate (CLI), then load in a plain process with the start-up hook disabled.
+    for r in (0, 1):
+        refusals = _load(tmp_path, "planted", r)["refusals"]
+        assert len(refusals) == 2 and all(m and "weights_only=False" in m for m in refusals), refusals
+    assert not (tmp_path / "planted_marker").exists(), "loading the planted checkpoint ran its code"
     ckpt = Path(_load(tmp_path, "first-zero3")["ckpt_path"])
     single = tmp_path / "consolidated.ckpt"
     env = {"ZERO_STRATEGY_AUTOLOAD": "0"}
@@ -546,6 +550,25 @@ def scenario_ckpt(run):
         trainer = run.trainer(s)
         val = trainer.validate(model, _data(8), ckpt_path=path, verbose=False)[0]["val_loss"]
         run.dump(f"evalckpt-{s}", trainer, val_loss=val)
+
+        if s == "zero3":  # a planted client_state.pt: refused whatever weights_only Lightning passes
+            from test_untrusted_files import plant_client_state
+
+            planted = run.out / "planted.ckpt"
+            if trainer.global_rank == 0:
+                import shutil
+
+                shutil.copytree(path, planted)
+                plant_client_state(planted, run.out / "planted_marker")
+            trainer.strategy.barrier()
+            refusals = []
+            for weights_only in (True, None):
+                try:
+                    trainer.strategy.load_checkpoint(planted, weights_only=weights_only)
+                    refusals.append(None)
+                except Exception as e:  # noqa: BLE001 - the test side checks the message
+                    refusals.append(str(e))
+            run.dump("planted", trainer, refusals=refusals)
 
     # Another stage resumes the same directory (the core reshards on load).
     model = run.model(seed=123)

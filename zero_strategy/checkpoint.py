@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -34,10 +35,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .precision import LossScaler
 from .safetensors_io import StreamingSafetensorsWriter, dtype_from_name, dtype_name
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+CLIENT_STATE = "client_state.pt"
 
 
 class CheckpointError(ValueError):
@@ -163,7 +166,7 @@ def save_checkpoint(engine, directory, client_state: Optional[dict] = None) -> P
             for k, v in shared.items():
                 writer.write(k, v)
         if client_state is not None:
-            with open(tmp / "client_state.pt", "wb") as f:
+            with open(tmp / CLIENT_STATE, "wb") as f:
                 torch.save(client_state, f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -297,13 +300,24 @@ class CheckpointReader:
 # ----------------------------------------------------------------------------------------
 # load into an engine
 # ----------------------------------------------------------------------------------------
-def load_checkpoint(engine, directory, *, allow_reshard: bool = True) -> Optional[dict]:
+def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_only: Optional[bool] = True) -> Optional[dict]:
     """Restore ``engine`` from ``directory``; returns the saved ``client_state``.
 
     Works across world sizes and stages (resharding on the fly) unless
-    ``allow_reshard`` is False, in which case a different world size is an error."""
+    ``allow_reshard`` is False, in which case a different world size is an error.
+    ``client_state.pt`` is read with ``torch.load(weights_only=True)`` (tensors and
+    plain containers only, no code runs) unless the caller passes
+    ``weights_only=False`` for a file it trusts; ``None`` means True."""
     reader = CheckpointReader(directory)
+    client_path = reader.directory / CLIENT_STATE
+    # Read (and refuse) the caller's state before touching the engine, so a refused
+    # file leaves the model as it was.
+    client = load_client_state(client_path, weights_only=weights_only) if client_path.exists() else None
     m = reader.manifest
+    try:
+        LossScaler().load_state_dict(m["loss_scaler"])
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"{reader.directory / MANIFEST}: bad loss_scaler entry ({e})") from None
     ws = engine.comm.world_size
     if not allow_reshard and (m["world_size"] != ws or m["stage"] != engine.config.stage):
         raise CheckpointError(
@@ -373,7 +387,7 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True) -> Optiona
     if restore_optimizer:
         for group, saved in zip(opt.param_groups, old_optimizer["param_groups"]):
             group.update(saved)
-    engine.scaler.load_state_dict(m["loss_scaler"])
+    engine.scaler.load_state_dict(m["loss_scaler"])  # validated above
     engine.global_step = m["step"]
     engine.zero_grad()
     if m["world_size"] == ws:
@@ -381,13 +395,33 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True) -> Optiona
         torch.set_rng_state(torch.tensor(rj["rng_cpu"], dtype=torch.uint8))
         if "rng_cuda" in rj and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rj["rng_cuda"]])
-    client = None
-    path = reader.directory / "client_state.pt"
-    if path.exists():
-        client = torch.load(path, map_location="cpu", weights_only=False)
     reader.close()
     engine.comm.barrier()
     return client
+
+
+def load_client_state(path, *, weights_only: Optional[bool] = True):
+    """The caller's extra state saved beside the shards.
+
+    Unpickling runs code named in the file, so by default only tensors, numbers,
+    strings and plain containers are accepted (``torch.load(weights_only=True)``);
+    a file holding anything else is refused with a CheckpointError naming it.
+    ``weights_only=False`` is for files the caller trusts (its own, from a trusted run)."""
+    path = Path(path)
+    restricted = weights_only is None or bool(weights_only)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=restricted)
+    except pickle.UnpicklingError as e:
+        if not restricted:
+            raise CheckpointError(f"{path} cannot be unpickled ({e})") from None
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain containers, so it was not unpickled "
+            f"(unpickling can run code from the file: {first}). If you trust this checkpoint, load it with "
+            "weights_only=False; otherwise keep only tensors, numbers, strings, lists and dicts in the state you save"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path} is unreadable or truncated ({e})") from None
 
 
 def _check_model_matches(engine, reader, by_name: Dict[str, dict]) -> None:

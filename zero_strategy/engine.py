@@ -576,12 +576,13 @@ class ZeroEngine:
 
         return save_checkpoint(self, directory, client_state=client_state)
 
-    def load_checkpoint(self, directory, *, allow_reshard: bool = True) -> Optional[dict]:
+    def load_checkpoint(self, directory, *, allow_reshard: bool = True, weights_only: Optional[bool] = True) -> Optional[dict]:
         """Collective: restore from a checkpoint saved at any world size and stage;
-        returns the saved ``client_state``."""
+        returns the saved ``client_state``, unpickled with ``weights_only`` (default
+        True: no code from the file runs; pass False only for a checkpoint you trust)."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, directory, allow_reshard=allow_reshard)
+        return load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self, unshard: bool = False) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import types
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Mapping, Optional, Set
@@ -203,7 +204,7 @@ def _weight_files(path) -> Dict[str, Path]:
         index = path / "model.safetensors.index.json"
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
-            return {k: path / v for k, v in weight_map.items()}
+            return {k: file_inside(path, v, index) for k, v in weight_map.items()}
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors weights in {path} (looked for model.safetensors or an index)")
@@ -215,6 +216,18 @@ def _weight_files(path) -> Dict[str, Path]:
             for k in h.keys():
                 out[k] = f
     return out
+
+
+def file_inside(folder: Path, name, named_in: Path) -> Path:
+    """``folder / name`` for a file name read from ``named_in`` (an index), refusing
+    anything that would lead outside ``folder``: absolute paths, ``..``, links out."""
+    if not isinstance(name, str) or not name or os.path.isabs(name):
+        raise ValueError(f"{named_in} names the weight file {name!r}: only a file inside {folder} is accepted")
+    root = Path(folder).resolve()
+    target = (root / name).resolve()
+    if target != root and root not in target.parents:
+        raise ValueError(f"{named_in} names the weight file {name!r}, which lies outside {folder}; refusing to read it")
+    return target
 
 
 def _read_flat_range(handle, key: str, start: int, end: int) -> torch.Tensor:

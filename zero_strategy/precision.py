@@ -63,9 +63,32 @@ class LossScaler:
                 self.scale *= 2.0
                 self.hysteresis_left = self.hysteresis
 
+    # The saved fields and the type each must have: a checkpoint's values are checked
+    # against this before anything is assigned (a manifest is data, not attribute names).
+    _FIELDS = {"scale": float, "dynamic": bool, "window": int, "hysteresis": int, "min_scale": float,
+               "clean_steps": int, "hysteresis_left": int, "overflows": int}
+
     def state_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("scale", "dynamic", "window", "hysteresis", "min_scale", "clean_steps", "hysteresis_left", "overflows")}
+        return {k: getattr(self, k) for k in self._FIELDS}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Restore from :meth:`state_dict`; unknown keys or values of the wrong type are
+        refused (ValueError naming them) and nothing is changed."""
+        if not isinstance(sd, dict):
+            raise ValueError(f"loss scaler state must be a dict, got {type(sd).__name__}")
+        unknown = sorted(set(sd) - set(self._FIELDS))
+        if unknown:
+            raise ValueError(f"loss scaler state has unknown keys {unknown}; expected some of {sorted(self._FIELDS)}")
+        values = {}
         for k, v in sd.items():
+            kind = self._FIELDS[k]
+            ok = isinstance(v, bool) if kind is bool else (isinstance(v, (int, float)) and not isinstance(v, bool))
+            if kind is int and ok and float(v) != int(v):
+                ok = False
+            if not ok:
+                raise ValueError(f"loss scaler state {k!r} must be {kind.__name__}, got {v!r}")
+            values[k] = kind(v)
+        if values.get("scale", self.scale) <= 0 or values.get("scale", self.scale) != values.get("scale", self.scale):
+            raise ValueError(f"loss scaler state 'scale' must be a positive number, got {values.get('scale')!r}")
+        for k, v in values.items():
             setattr(self, k, v)

@@ -15,7 +15,11 @@ import json
 import os
 from typing import Dict
 
+from pathlib import Path
+
 import torch
+
+from zero_strategy.materialize import file_inside
 
 CHECKPOINT_SUBDIR = "zero_checkpoint"
 
@@ -49,7 +53,7 @@ def read_consolidated_weights(folder: str) -> Dict[str, torch.Tensor]:
             files = sorted(set(json.load(f)["weight_map"].values()))
         out: Dict[str, torch.Tensor] = {}
         for name in files:
-            out.update(load_file(os.path.join(folder, name), device="cpu"))
+            out.update(load_file(str(file_inside(Path(folder), name, Path(index))), device="cpu"))
         return out
     binary = os.path.join(folder, "pytorch_model.bin")
     if os.path.isfile(binary):

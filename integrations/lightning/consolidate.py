@@ -21,9 +21,12 @@ import torch
 CLIENT_STATE = "client_state.pt"
 
 
-def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None) -> dict:
-    """Return the single-file checkpoint dict; also write it to ``output_file`` if given."""
-    from zero_strategy.checkpoint import load_consolidated_state_dict
+def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None, *, weights_only: bool = True) -> dict:
+    """Return the single-file checkpoint dict; also write it to ``output_file`` if given.
+
+    Lightning's state in the directory is read with ``weights_only`` (default True:
+    nothing in the file can run code); pass False only for a checkpoint you trust."""
+    from zero_strategy.checkpoint import load_client_state, load_consolidated_state_dict
 
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
@@ -31,7 +34,7 @@ def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None) ->
     checkpoint = {}
     client = directory / CLIENT_STATE
     if client.exists():
-        checkpoint.update(torch.load(client, map_location="cpu", weights_only=False))
+        checkpoint.update(load_client_state(client, weights_only=weights_only))
     checkpoint["state_dict"] = load_consolidated_state_dict(directory)
     checkpoint.pop("optimizer_states", None)
     if output_file is not None:
@@ -50,8 +53,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("checkpoint_dir", help="directory written by ZeroStrategy (e.g. epoch=0-step=10.ckpt/)")
     parser.add_argument("output_file", help="single-file checkpoint to write (e.g. model.ckpt)")
+    parser.add_argument(
+        "--trust-pickle", action="store_true",
+        help="unpickle Lightning's saved state without restrictions (runs code the file names: only for checkpoints you trust)",
+    )
     args = parser.parse_args(argv)
-    ckpt = consolidate_checkpoint(args.checkpoint_dir, args.output_file)
+    ckpt = consolidate_checkpoint(args.checkpoint_dir, args.output_file, weights_only=not args.trust_pickle)
     n = sum(t.numel() for t in ckpt["state_dict"].values() if isinstance(t, torch.Tensor))
     print(f"wrote {args.output_file}: {len(ckpt['state_dict'])} tensors, {n:,} elements")
     return 0

@@ -258,7 +258,7 @@ def _build(ns: str) -> Tuple[type, type]:
             if not isinstance(state, dict) or not state:
                 raise ValueError("ZeroFabricStrategy.load_checkpoint needs the state dict with the set-up model to restore into")
             _, engine = self._module_entry(state)
-            client = dict(engine.load_checkpoint(Path(path)) or {})
+            client = dict(engine.load_checkpoint(Path(path), weights_only=weights_only) or {})
             client.pop(_OBJECTS_KEY, None)
             for k, obj in list(state.items()):
                 if isinstance(obj, (nn.Module, torch.optim.Optimizer)):

@@ -347,7 +347,7 @@ def _build(ns: str) -> Tuple[type, type]:
             weights are loaded in ``load_model_state_dict`` (optimizer state is not)."""
             path = Path(checkpoint_path)
             if path.is_dir() or path.with_name(path.name + ".old").is_dir():
-                client = self._engine.load_checkpoint(path) or {}
+                client = self._engine.load_checkpoint(path, weights_only=weights_only) or {}
                 checkpoint = dict(client)
                 checkpoint["state_dict"] = {}
                 return checkpoint
