@@ -1,6 +1,12 @@
-"""Only what pyproject.toml cannot say: install ``zero_strategy_autoload.pth``.
+"""Only what pyproject.toml cannot say: the package list, and ``zero_strategy_autoload.pth``.
 
-The .pth file makes every interpreter in the environment run
+Packages: the top-level folder ``integrations/`` is installed as the subpackage
+``zero_strategy.integrations`` (a ``package_dir`` mapping), so no top-level package
+named ``integrations`` lands in site-packages -- a user's own ``integrations/`` folder
+would shadow it.  pyproject.toml can declare the mapping but cannot combine it with
+package discovery, hence the list is computed here.
+
+Start-up hook: the .pth file makes every interpreter in the environment run
 ``import zero_strategy_autoload`` at start-up (see that module), which is how
 ``Trainer(strategy="zero3")`` works without the user importing this project.
 setuptools has no option for a file at the top of site-packages, so ``build_py``
@@ -9,7 +15,7 @@ the editable wheel for ``pip install -e .`` (where build_py does not copy source
 """
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "zero_strategy_autoload.pth"
@@ -38,4 +44,14 @@ class build_py_with_pth(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": build_py_with_pth})
+INTEGRATIONS = "zero_strategy.integrations"
+PACKAGES = find_packages(include=["zero_strategy", "zero_strategy.*"]) + [
+    INTEGRATIONS + name[len("integrations"):] for name in find_packages(include=["integrations", "integrations.*"])
+]
+
+setup(
+    packages=PACKAGES,
+    # Subpackages follow their parent: zero_strategy.integrations.lightning -> integrations/lightning.
+    package_dir={INTEGRATIONS: "integrations"},
+    cmdclass={"build_py": build_py_with_pth},
+)

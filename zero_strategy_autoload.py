@@ -18,7 +18,7 @@ Extending (e.g. the Accelerate integration)::
 
     TARGETS = {
         ...,
-        "accelerate.accelerator": "integrations.accelerate.autoload:patch_accelerator",
+        "accelerate.accelerator": "zero_strategy.integrations.accelerate.autoload:patch_accelerator",
     }
 
 Keys are fully qualified module names; values are ``"package.module:function"`` or a
@@ -29,23 +29,23 @@ dependencies lazily (inside the functions the framework calls later).
 
 Turn it off with the environment variable ``ZERO_STRATEGY_AUTOLOAD=0``.  Where .pth
 files are not processed (``python -S``, some embedded interpreters), import the
-integration yourself (``import integrations.lightning``) or pass a strategy object.
+integration yourself (``import zero_strategy.integrations.lightning``) or pass a strategy object.
 """
 import sys
 
 TARGETS = {
     # Lightning Trainer: both distributions of the package have their own registry.
-    "lightning.pytorch.strategies": "integrations.lightning:register_trainer_strategies",
-    "pytorch_lightning.strategies": "integrations.lightning:register_trainer_strategies",
+    "lightning.pytorch.strategies": "zero_strategy.integrations.lightning:register_trainer_strategies",
+    "pytorch_lightning.strategies": "zero_strategy.integrations.lightning:register_trainer_strategies",
     # Lightning Fabric.
-    "lightning.fabric.strategies": "integrations.lightning:register_fabric_strategies",
-    "lightning_fabric.strategies": "integrations.lightning:register_fabric_strategies",
+    "lightning.fabric.strategies": "zero_strategy.integrations.lightning:register_fabric_strategies",
+    "lightning_fabric.strategies": "zero_strategy.integrations.lightning:register_fabric_strategies",
     # Accelerate: `accelerate launch` accepts a zero_config: section in its config file
     # and exports it; workers launched with it get the ZeRO Accelerator.
-    "accelerate.commands.config.config_args": "integrations.accelerate.hooks:install_config_section",
-    "accelerate.accelerator": "integrations.accelerate.hooks:install_accelerator",
+    "accelerate.commands.config.config_args": "zero_strategy.integrations.accelerate.hooks:install_config_section",
+    "accelerate.accelerator": "zero_strategy.integrations.accelerate.hooks:install_accelerator",
     # zero3_init_flag: from_pretrained builds stage-3 models partitioned in such workers.
-    "transformers.modeling_utils": "integrations.accelerate.loading:install_from_environment",
+    "transformers.modeling_utils": "zero_strategy.integrations.accelerate.loading:install_from_environment",
 }
 
 _ENV_SWITCH = "ZERO_STRATEGY_AUTOLOAD"

@@ -22,7 +22,7 @@ serve (``device_map``, quantisation, an explicit ``state_dict``, weights only in
 ``pytorch_model.bin``, ...) fall back to the stock loader with a warning.
 
 Who activates it: the Accelerate integration (``zero3_init_flag``, see
-:mod:`integrations.accelerate.loading`) and the Lightning strategies (around
+:mod:`zero_strategy.integrations.accelerate.loading`) and the Lightning strategies (around
 ``configure_model`` at stage 3).  This module imports transformers lazily.
 """
 from __future__ import annotations

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations.accelerate import settings
+from zero_strategy.integrations.accelerate import settings
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples" / "accelerate"
@@ -80,7 +80,7 @@ def test_section_maps_to_zero_config():
 def test_launcher_hook_strips_and_exports_the_section(tmp_path, monkeypatch):
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from integrations.accelerate import hooks
+    from zero_strategy.integrations.accelerate import hooks
 
     monkeypatch.delenv(settings.ENV_VAR, raising=False)
     hooks.install_config_section()
@@ -157,7 +157,7 @@ class Launcher:
         self.launches = 0
 
     def command(self, config: str, script: Path, args, mixed_precision="no"):
-        head = [ACCELERATE, "launch"] if (self.autoload or config == "ddp") else [PY, "-m", "integrations.accelerate.run", "launch"]
+        head = [ACCELERATE, "launch"] if (self.autoload or config == "ddp") else [PY, "-m", "zero_strategy.integrations.accelerate.run", "launch"]
         return head + ["--config_file", str(self.configs[config]), "--main_process_port", str(_free_port()),
                        "--mixed_precision", mixed_precision, str(script), *args]
 
@@ -332,18 +332,18 @@ def test_fp16_overflow_skips_the_step(launcher):
 
 @pytest.mark.slow
 def test_runner_forms_without_the_startup_hook(launcher, tmp_path):
-    """`accelerate launch -m integrations.accelerate.run --zero_config ...` and
-    `python -m integrations.accelerate.run launch ...`, with the .pth hook switched off."""
+    """`accelerate launch -m zero_strategy.integrations.accelerate.run --zero_config ...` and
+    `python -m zero_strategy.integrations.accelerate.run launch ...`, with the .pth hook switched off."""
     ref, _ = launcher.loop("ddp_fp32", "ddp")
     env = dict(launcher.env, ZERO_STRATEGY_AUTOLOAD="0")
     section = tmp_path / "section.yaml"
     section.write_text("zero_stage: 2\noffload_optimizer_device: cpu\n")  # ZeRO-Offload, Accelerate's key
     out1 = tmp_path / "worker_form.json"
     launcher.run([ACCELERATE, "launch", "--config_file", str(launcher.configs["ddp"]), "--main_process_port", str(_free_port()),
-                  "-m", "integrations.accelerate.run",
+                  "-m", "zero_strategy.integrations.accelerate.run",
                   "--zero_config", str(section), str(LOOP), *LOOP_ARGS, "--out", str(out1)], env=env)
     out2 = tmp_path / "launch_form.json"
-    launcher.run([PY, "-m", "integrations.accelerate.run", "launch", "--config_file", str(launcher.configs["zero3"]),
+    launcher.run([PY, "-m", "zero_strategy.integrations.accelerate.run", "launch", "--config_file", str(launcher.configs["zero3"]),
                   "--main_process_port", str(_free_port()), str(LOOP), *LOOP_ARGS, "--out", str(out2)], env=env)
     for out in (out1, out2):
         got = json.loads(out.read_text())
@@ -354,7 +354,7 @@ def test_runner_forms_without_the_startup_hook(launcher, tmp_path):
 @pytest.mark.slow
 def test_bad_section_fails_in_the_launcher(launcher, tmp_path):
     bad = _write_config(tmp_path / "bad.yaml", 3, extra="  offload_optimizer_devic: none\n")
-    route = [ACCELERATE, "launch"] if launcher.autoload else [PY, "-m", "integrations.accelerate.run", "launch"]
+    route = [ACCELERATE, "launch"] if launcher.autoload else [PY, "-m", "zero_strategy.integrations.accelerate.run", "launch"]
     proc = launcher.run([*route, "--config_file", str(bad), str(LOOP)], expect_ok=False)
     assert proc.returncode != 0
     assert "unknown zero_config key 'offload_optimizer_devic'; did you mean 'offload_optimizer_device'?" in proc.stderr

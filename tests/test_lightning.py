@@ -257,7 +257,7 @@ def test_trainer_checkpoint_resume_and_consolidation(tmp_path):
     ckpt = Path(_load(tmp_path, "first-zero3")["ckpt_path"])
     single = tmp_path / "consolidated.ckpt"
     env = {"ZERO_STRATEGY_AUTOLOAD": "0"}
-    _run("-m", "integrations.lightning.consolidate", ckpt, single, env_extra=env)
+    _run("-m", "zero_strategy.integrations.lightning.consolidate", ckpt, single, env_extra=env)
     _run(HERE, "load_consolidated", tmp_path, single, env_extra=env)
     loaded = _weights(tmp_path, "loaded")
     _assert_state_close(loaded, _weights(tmp_path, "ddp-epoch1"), 1e-5, 1e-6, "consolidated zero3 vs ddp after 1 epoch")
@@ -465,7 +465,7 @@ def scenario_misc(run):
             self.steps.append({"skipped": bool(trainer.optimizers[0].step_was_skipped),
                                "changed": bool(not torch.equal(now, self.prev))})
 
-    from integrations.lightning import ZeroStrategy  # only to pass loss-scale options
+    from zero_strategy.integrations.lightning import ZeroStrategy  # only to pass loss-scale options
 
     for tag, strategy in (("fp16-instance", ZeroStrategy(stage=2, initial_scale_power=20, hysteresis=1)),
                           ("fp16-name", "zero2")):

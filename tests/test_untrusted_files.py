@@ -100,7 +100,7 @@ def test_consolidating_a_planted_lightning_checkpoint_runs_nothing(tmp_path):
     import subprocess
     import sys
 
-    from integrations.lightning.consolidate import consolidate_checkpoint
+    from zero_strategy.integrations.lightning.consolidate import consolidate_checkpoint
     from zero_strategy import CheckpointError
 
     ck = tmp_path / "ck"
@@ -110,7 +110,7 @@ def test_consolidating_a_planted_lightning_checkpoint_runs_nothing(tmp_path):
     with pytest.raises(CheckpointError, match="weights_only=False"):
         consolidate_checkpoint(ck)
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-m", "integrations.lightning.consolidate", str(ck), str(tmp_path / "out.ckpt")],
+    proc = subprocess.run([sys.executable, "-m", "zero_strategy.integrations.lightning.consolidate", str(ck), str(tmp_path / "out.ckpt")],
                           cwd=root, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "ZERO_STRATEGY_AUTOLOAD": "0"})
     assert proc.returncode != 0 and "weights_only" in proc.stderr, proc.stderr[-2000:]
     assert not marker.exists()

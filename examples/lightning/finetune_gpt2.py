@@ -114,7 +114,7 @@ def main():
     if trainer.is_global_zero:
         print(f"{args.strategy} {args.precision}: {metrics}")
         if args.ckpt_dir:
-            print("consolidate a checkpoint with: python -m integrations.lightning.consolidate "
+            print("consolidate a checkpoint with: python -m zero_strategy.integrations.lightning.consolidate "
                   f"{args.ckpt_dir}/last.ckpt model.ckpt")
 
 

@@ -74,7 +74,7 @@ class ZeroAccelerator(Accelerator):
 
     ``zero_config`` is the section's mapping (the keys of ``zero_config:`` in an
     accelerate config file); without it the section exported by the launcher
-    (:data:`~integrations.accelerate.settings.ENV_VAR`) is used, else the defaults.
+    (:data:`~zero_strategy.integrations.accelerate.settings.ENV_VAR`) is used, else the defaults.
     """
 
     def __init__(self, *args, zero_config=None, **kwargs) -> None:

@@ -7,12 +7,12 @@ finished importing:
 * ``accelerate.commands.config.config_args`` -> :func:`install_config_section`: in the
   ``accelerate launch`` process, a ``zero_config:`` section is taken out of the config
   file before accelerate checks the file's keys, validated, and exported in
-  :data:`~integrations.accelerate.settings.ENV_VAR` for the workers.
+  :data:`~zero_strategy.integrations.accelerate.settings.ENV_VAR` for the workers.
 * ``accelerate.accelerator`` -> :func:`install_accelerator`: in a worker where that
   variable is set, ``accelerate.Accelerator`` becomes
-  :class:`~integrations.accelerate.accelerator.ZeroAccelerator` (a no-op otherwise).
+  :class:`~zero_strategy.integrations.accelerate.accelerator.ZeroAccelerator` (a no-op otherwise).
 
-``python -m integrations.accelerate.run`` calls the same functions where start-up
+``python -m zero_strategy.integrations.accelerate.run`` calls the same functions where start-up
 hooks are unavailable.  Both are idempotent and accept (and ignore) the module the
 start-up hook may pass.
 """

@@ -2,7 +2,7 @@
 
 With ``zero_stage: 3`` and ``zero3_init_flag: true`` in the ``zero_config:`` section,
 every ``from_pretrained`` in the worker builds the model unallocated
-(:mod:`integrations.pretrained`) and ``accelerator.prepare`` loads each rank's slice.
+(:mod:`zero_strategy.integrations.pretrained`) and ``accelerator.prepare`` loads each rank's slice.
 Active in a worker whose launcher exported such a section (the start-up hook calls
 :func:`install_from_environment` when ``transformers.modeling_utils`` is imported, so
 it does not matter whether the script loads the model before or after creating its

@@ -3,11 +3,11 @@
 Two forms::
 
     # 1. As the launcher: `accelerate launch` that understands a zero_config: section.
-    python -m integrations.accelerate.run launch --config_file zero3.yaml train.py --lr 1e-3
+    python -m zero_strategy.integrations.accelerate.run launch --config_file zero3.yaml train.py --lr 1e-3
 
     # 2. As what each worker runs, under the stock launcher (its config file must not
     #    contain zero_config:, so the section comes from --zero_config or the environment).
-    accelerate launch --config_file ddp.yaml -m integrations.accelerate.run \
+    accelerate launch --config_file ddp.yaml -m zero_strategy.integrations.accelerate.run \
         --zero_config zero3.yaml train.py --lr 1e-3
 
 ``--zero_config`` takes an accelerate config file with a ``zero_config:`` section or a
@@ -24,8 +24,8 @@ from typing import List, Optional
 from . import hooks, settings
 
 _USAGE = (
-    "usage: python -m integrations.accelerate.run launch [accelerate launch arguments] script.py [args]\n"
-    "   or: python -m integrations.accelerate.run [--zero_config FILE] (script.py | -m module) [args]"
+    "usage: python -m zero_strategy.integrations.accelerate.run launch [accelerate launch arguments] script.py [args]\n"
+    "   or: python -m zero_strategy.integrations.accelerate.run [--zero_config FILE] (script.py | -m module) [args]"
 )
 
 
@@ -37,7 +37,7 @@ def _launch(argv: List[str]) -> None:
     args = launch_command_parser().parse_args(argv)
     target = ["-m", args.training_script] if args.module else [args.training_script]
     args.training_script_args = target + list(args.training_script_args)
-    args.training_script = "integrations.accelerate.run"
+    args.training_script = "zero_strategy.integrations.accelerate.run"
     args.module = True
     launch_command(args)
 
@@ -59,7 +59,7 @@ def _run(argv: List[str]) -> None:
     elif not os.environ.get(settings.ENV_VAR):
         raise SystemExit(
             f"no ZeRO configuration: pass --zero_config FILE, set {settings.ENV_VAR}, or start with "
-            "`python -m integrations.accelerate.run launch --config_file <config with zero_config:> ...`"
+            "`python -m zero_strategy.integrations.accelerate.run launch --config_file <config with zero_config:> ...`"
         )
     hooks.install_accelerator()
     # The same import hooks the .pth file would install (zero3_init_flag needs the one on

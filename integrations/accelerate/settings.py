@@ -67,7 +67,7 @@ class ZeroSettings:
 
     zero3_init_flag: bool = False
     """Stage 3: ``from_pretrained`` builds the model unallocated and ``prepare`` loads each
-    rank's slice of the weights (:mod:`integrations.accelerate.loading`)."""
+    rank's slice of the weights (:mod:`zero_strategy.integrations.accelerate.loading`)."""
 
     zero3_save_16bit_model: bool = False
     """``get_state_dict`` / ``save_model`` / the Trainer's checkpoints write floating-point

@@ -9,19 +9,22 @@ imported (the fallback where .pth files are not processed).
 
 Classes, for passing an instance with options::
 
-    from integrations.lightning import ZeroStrategy          # lightning.pytorch
+    from zero_strategy.integrations.lightning import ZeroStrategy          # lightning.pytorch
     trainer = L.Trainer(strategy=ZeroStrategy(stage=3, reduce_bucket_size=5e7))
 
-    from integrations.lightning import strategy_class
+    from zero_strategy.integrations.lightning import strategy_class
     PLZeroStrategy = strategy_class("pytorch_lightning")     # the standalone package
 
-    from integrations.lightning import ZeroFabricStrategy    # lightning.fabric
+    from zero_strategy.integrations.lightning import ZeroFabricStrategy    # lightning.fabric
 
 This module stays cheap to import: registration stores lazy factories, and the
-strategy classes (which import Lightning and the core) are built on first use.
+modules with the strategy classes (which import Lightning) are imported on first use.
+The classes are written once, against ``lightning.*`` (``trainer``, ``fabric``); the
+standalone packages get twins made from the same code (see ``_twin``).
 """
 from __future__ import annotations
 
+import importlib
 import sys
 
 from ._common import STRATEGY_NAMES
@@ -40,6 +43,12 @@ __all__ = [
     "release",
     "STRATEGY_NAMES",
 ]
+
+
+# The Lightning distributions: first the one our modules are written against, then the
+# standalone package that gets their twins.
+TRAINER_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+FABRIC_NAMESPACES = ("lightning.fabric", "lightning_fabric")
 
 
 class _LazyFactory:
@@ -79,18 +88,16 @@ def _register_from_hook(module, kind: str, namespaces, registry_attr: str) -> No
 
 def register_trainer_strategies(module=None) -> None:
     """Start-up hook target for ``lightning.pytorch.strategies`` / ``pytorch_lightning.strategies``."""
-    _register_from_hook(module, "trainer", ("lightning.pytorch", "pytorch_lightning"), "StrategyRegistry")
+    _register_from_hook(module, "trainer", TRAINER_NAMESPACES, "StrategyRegistry")
 
 
 def register_fabric_strategies(module=None) -> None:
     """Start-up hook target for ``lightning.fabric.strategies`` / ``lightning_fabric.strategies``."""
-    _register_from_hook(module, "fabric", ("lightning.fabric", "lightning_fabric"), "STRATEGY_REGISTRY")
+    _register_from_hook(module, "fabric", FABRIC_NAMESPACES, "STRATEGY_REGISTRY")
 
 
 def register_all() -> None:
     """Register in every Lightning namespace that is installed (imports them)."""
-    import importlib
-
     for ns, fn in (("lightning.pytorch", register_trainer_strategies), ("pytorch_lightning", register_trainer_strategies),
                    ("lightning.fabric", register_fabric_strategies), ("lightning_fabric", register_fabric_strategies)):
         try:
@@ -99,16 +106,26 @@ def register_all() -> None:
             pass
 
 
-def strategy_class(namespace: str = "lightning.pytorch") -> type:
-    from .trainer import trainer_classes
+def _module_for(module: str, namespace: str, namespaces):
+    """Our module ``module`` for the Lightning distribution ``namespace``."""
+    if namespace not in namespaces:
+        raise ValueError(f"namespace must be one of {namespaces}, got {namespace!r}")
+    name = f"{__name__}.{module}"
+    if namespace == namespaces[0]:
+        return importlib.import_module(name)
+    from ._twin import standalone
 
-    return trainer_classes(namespace)[0]
+    return standalone(name)
+
+
+def strategy_class(namespace: str = "lightning.pytorch") -> type:
+    """``ZeroStrategy`` for the Trainer of ``namespace`` ("lightning.pytorch" or "pytorch_lightning")."""
+    return _module_for("trainer", namespace, TRAINER_NAMESPACES).ZeroStrategy
 
 
 def fabric_strategy_class(namespace: str = "lightning.fabric") -> type:
-    from .fabric import fabric_classes
-
-    return fabric_classes(namespace)[0]
+    """``ZeroFabricStrategy`` for ``namespace`` ("lightning.fabric" or "lightning_fabric")."""
+    return _module_for("fabric", namespace, FABRIC_NAMESPACES).ZeroFabricStrategy
 
 
 def release(module) -> None:
@@ -128,23 +145,22 @@ def consolidate_checkpoint(checkpoint_dir, output_file=None):
 
 
 def __getattr__(name: str):
+    # The classes of the ``lightning`` package when it is installed, else the standalone ones.
     if name in ("ZeroStrategy", "ZeroPrecision"):
-        from .trainer import trainer_classes
-
-        ns = "lightning.pytorch" if _has("lightning") else "pytorch_lightning"
-        return trainer_classes(ns)[0 if name == "ZeroStrategy" else 1]
+        ns = TRAINER_NAMESPACES[0] if _has("lightning") else TRAINER_NAMESPACES[1]
+        return getattr(_module_for("trainer", ns, TRAINER_NAMESPACES), name)
     if name in ("ZeroFabricStrategy", "ZeroFabricPrecision"):
-        from .fabric import fabric_classes
-
-        ns = "lightning.fabric" if _has("lightning") else "lightning_fabric"
-        return fabric_classes(ns)[0 if name == "ZeroFabricStrategy" else 1]
+        ns = FABRIC_NAMESPACES[0] if _has("lightning") else FABRIC_NAMESPACES[1]
+        return getattr(_module_for("fabric", ns, FABRIC_NAMESPACES), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _has(top: str) -> bool:
     import importlib.util
 
-    return top in sys.modules or importlib.util.find_spec(top) is not None
+    if top in sys.modules:
+        return sys.modules[top] is not None  # None: an import of it is blocked
+    return importlib.util.find_spec(top) is not None
 
 
 # Importing the package explicitly registers in namespaces already imported.

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-log = logging.getLogger("integrations.lightning")
+log = logging.getLogger("zero_strategy.integrations.lightning")
 
 # Lightning precision flag -> engine precision.  The engine does its own mixed
 # precision (16-bit parameters for compute, fp32 master shards, input casting at the
@@ -205,75 +205,16 @@ def _engine_device(engine) -> torch.device:
     return torch.device("cpu")
 
 
+def backward_kwargs(args: tuple, kwargs: dict) -> dict:
+    """Positional arguments of ``Tensor.backward`` as keywords (the engine takes keywords)."""
+    names = ("gradient", "retain_graph", "create_graph", "inputs")
+    if len(args) > len(names):
+        raise TypeError(f"backward() takes at most {len(names)} positional arguments, got {len(args)}")
+    out = dict(zip(names, args))
+    out.update(kwargs)
+    return out
+
+
 def split_client_state(checkpoint: Mapping[str, Any]) -> dict:
     """Lightning's checkpoint dict without what the shard files hold."""
     return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-
-
-def process_group_mixin(launcher_cls, dist_utils, rank_zero_onlys):
-    """What the Trainer and Fabric strategies share about processes and collectives.
-
-    Both distributions of Lightning (``lightning.*`` and the standalone packages) have
-    their own launcher and distributed utilities, so the mixin is built per namespace
-    from them.  The strategies keep their own ``setup_environment`` (the Trainer also
-    resets the seed) and call :meth:`_init_process_group` from it."""
-
-    class ZeroProcessGroupMixin:
-        @property
-        def root_device(self) -> torch.device:
-            assert self.parallel_devices is not None
-            return self.parallel_devices[self.local_rank]
-
-        @property
-        def num_processes(self) -> int:
-            return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-        @property
-        def distributed_sampler_kwargs(self) -> dict:
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-        @property
-        def process_group_backend(self) -> Optional[str]:
-            return self._process_group_backend
-
-        def _configure_launcher(self) -> None:
-            assert self.cluster_environment is not None
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = launcher_cls(self.cluster_environment, self.num_processes, self.num_nodes)
-
-        def _publish_world_ranks(self) -> None:
-            if self.cluster_environment is not None:
-                self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-                self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-            for holder in rank_zero_onlys:
-                holder.rank = self.global_rank
-
-        def _init_process_group(self) -> None:
-            if self._process_group_backend is None:
-                self._process_group_backend = dist_utils._get_default_process_group_backend_for_device(self.root_device)
-            kwargs: dict = {"timeout": self._timeout}
-            if self.root_device.type != "cpu":
-                kwargs["device_id"] = self.root_device
-            dist_utils._init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-
-        def _sync_tensor(self, tensor, group=None, reduce_op="mean"):
-            if isinstance(tensor, torch.Tensor):
-                return dist_utils._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-            return tensor
-
-        def barrier(self, *args: Any, **kwargs: Any) -> None:
-            if not dist_utils._distributed_is_initialized():
-                return
-            if torch.distributed.get_backend() == "nccl":
-                torch.distributed.barrier(device_ids=[self.root_device.index])
-            else:
-                torch.distributed.barrier()
-
-        def broadcast(self, obj, src: int = 0):
-            if not dist_utils._distributed_is_initialized():
-                return obj
-            box = [obj]
-            torch.distributed.broadcast_object_list(box, src, group=dist_utils.group.WORLD)
-            return box[0]
-
-    return ZeroProcessGroupMixin

@@ -1,6 +1,6 @@
 """Turn a ZeroStrategy checkpoint directory into an ordinary single-file Lightning checkpoint.
 
-    python -m integrations.lightning.consolidate CKPT_DIR OUT.ckpt
+    python -m zero_strategy.integrations.lightning.consolidate CKPT_DIR OUT.ckpt
 
 The output holds the consolidated weights under ``state_dict`` (original names and
 dtypes) plus everything else Lightning saved (hyper-parameters, loops, callbacks, LR
@@ -48,7 +48,7 @@ def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None, *,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m integrations.lightning.consolidate",
+        prog="python -m zero_strategy.integrations.lightning.consolidate",
         description="Write an ordinary Lightning checkpoint file from a ZeroStrategy checkpoint directory.",
     )
     parser.add_argument("checkpoint_dir", help="directory written by ZeroStrategy (e.g. epoch=0-step=10.ckpt/)")

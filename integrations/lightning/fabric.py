@@ -6,287 +6,267 @@ at the shards), ``fabric.setup_module(model)`` for evaluation, ``fabric.backward
 overflow), ``fabric.clip_gradients`` (global norm over the shards, or by value),
 ``fabric.no_backward_sync`` (gradient accumulation) and ``fabric.save`` / ``fabric.load``
 (a checkpoint directory of per-rank shards; other state goes into ``client_state.pt``).
+
+Written against ``lightning.fabric``; ``fabric_standalone`` is its twin for the
+standalone ``lightning_fabric`` package, made from this same code (see ``_twin``).
 """
 from __future__ import annotations
 
-import importlib
 from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 
 from ._common import (
     LIGHTNING_TO_ENGINE_PRECISION,
-    STRATEGY_NAMES,
+    backward_kwargs,
     base_config,
     engine_of,
     engine_precision,
     has_meta_parameters,
     initialize_engine,
     partitioned_init,
-    process_group_mixin,
     resolve_plugin_flag,
 )
-from .trainer import _backward_kwargs
+from ._process_group import ZeroProcessGroupMixin
 
-_CLASSES: Dict[str, Tuple[type, type]] = {}
+__all__ = ["ZeroFabricStrategy", "ZeroFabricPrecision"]
 
-FABRIC_NAMESPACES = ("lightning.fabric", "lightning_fabric")
 _OBJECTS_KEY = "__zero_strategy_objects__"
 
 
-def fabric_classes(namespace: str = "lightning.fabric") -> Tuple[type, type]:
-    """``(ZeroFabricStrategy, ZeroFabricPrecision)`` for ``namespace``."""
-    if namespace not in FABRIC_NAMESPACES:
-        raise ValueError(f"namespace must be one of {FABRIC_NAMESPACES}, got {namespace!r}")
-    if namespace not in _CLASSES:
-        _CLASSES[namespace] = _build(namespace)
-    return _CLASSES[namespace]
+class ZeroFabricPrecision(Precision):
+    """No autocast, no scaler: the engine owns mixed precision (see the Trainer plugin)."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in LIGHTNING_TO_ENGINE_PRECISION:
+            engine_precision(precision, "fp32")  # raises with the supported list
+        self.precision = precision
+        self._strategy = None
+
+    def backward(self, tensor, model, *args, **kwargs) -> None:
+        engine = self._strategy._engine_for(model)
+        engine.backward(tensor, **backward_kwargs(args, kwargs))
 
 
-def _build(ns: str) -> Tuple[type, type]:
-    imp = importlib.import_module
-    ParallelStrategy = imp(f"{ns}.strategies.parallel").ParallelStrategy
-    strategy_mod = imp(f"{ns}.strategies.strategy")
-    BackwardSyncControl, Sharded = strategy_mod._BackwardSyncControl, strategy_mod._Sharded
-    Precision = imp(f"{ns}.plugins.precision").Precision
-    SubprocessScriptLauncher = imp(f"{ns}.strategies.launchers.subprocess_script")._SubprocessScriptLauncher
-    dist_utils = imp(f"{ns}.utilities.distributed")
-    rank_zero_only = imp(f"{ns}.utilities.rank_zero").rank_zero_only
-    Stateful = imp(f"{ns}.utilities.types")._Stateful
-    default_pg_timeout = imp(f"{ns}.plugins.collectives.torch_collective").default_pg_timeout
-    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+class _EngineNoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the engine's own ``no_sync`` (accumulation)."""
 
-    class ZeroFabricPrecision(Precision):
-        """No autocast, no scaler: the engine owns mixed precision (see the Trainer plugin)."""
+    def no_backward_sync(self, module: nn.Module, enabled: bool):
+        engine = engine_of(module)
+        if not enabled or engine is None:
+            return nullcontext()
+        return engine.no_sync()
 
-        def __init__(self, precision: str = "32-true") -> None:
-            if precision not in LIGHTNING_TO_ENGINE_PRECISION:
-                engine_precision(precision, "fp32")  # raises with the supported list
-            self.precision = precision
-            self._strategy = None
 
-        def backward(self, tensor, model, *args, **kwargs) -> None:
-            engine = self._strategy._engine_for(model)
-            engine.backward(tensor, **_backward_kwargs(args, kwargs))
+class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
+    """ZeRO data parallelism (zero_strategy) for Lightning Fabric; options as ZeroStrategy."""
 
-    class _EngineNoSync(BackwardSyncControl):
-        def no_backward_sync(self, module: nn.Module, enabled: bool):
-            engine = engine_of(module)
-            if not enabled or engine is None:
-                return nullcontext()
-            return engine.no_sync()
+    script_launcher_class = _SubprocessScriptLauncher
 
-    ProcessGroupMixin = process_group_mixin(SubprocessScriptLauncher, dist_utils, (rank_zero_only, utils_rank_zero_only))
-
-    class ZeroFabricStrategy(ProcessGroupMixin, ParallelStrategy, Sharded):
-        """ZeRO data parallelism (zero_strategy) for Lightning Fabric; options as ZeroStrategy."""
-
-        def __init__(
-            self,
-            stage: Optional[int] = None,
-            config: Any = None,
-            accelerator=None,
-            parallel_devices=None,
-            cluster_environment=None,
-            checkpoint_io=None,
+    def __init__(
+        self,
+        stage: Optional[int] = None,
+        config: Any = None,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision=None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
             precision=None,
-            process_group_backend: Optional[str] = None,
-            timeout: Optional[timedelta] = default_pg_timeout,
-            **options: Any,
-        ) -> None:
-            super().__init__(
-                accelerator=accelerator,
-                parallel_devices=parallel_devices,
-                cluster_environment=cluster_environment,
-                checkpoint_io=checkpoint_io,
-                precision=None,
-            )
-            self._base_config = base_config(stage, config, options)
+        )
+        self._base_config = base_config(stage, config, options)
+        self._precision = None
+        if precision is not None:
+            self.precision = precision
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._backward_sync_control = _EngineNoSync()
+        self._engines = []
+
+    # -- properties ------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The engine of the (last) module set up."""
+        return self._engines[-1] if self._engines else None
+
+    @property
+    def config(self):
+        """The ZeroConfig in use: the engine's after setup, else the requested one."""
+        return self.engine.config if self.engine is not None else self._base_config
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, value: int) -> None:
+        self._num_nodes = value
+
+    @property
+    def precision(self):
+        if self._precision is None:
+            self._precision = ZeroFabricPrecision("32-true")
+            self._precision._strategy = self
+        return self._precision
+
+    @precision.setter
+    def precision(self, plugin) -> None:
+        if plugin is None:
             self._precision = None
-            if precision is not None:
-                self.precision = precision
-            self._num_nodes = 1
-            self._process_group_backend = process_group_backend
-            self._timeout = timeout
-            self._backward_sync_control = _EngineNoSync()
-            self._engines = []
+            return
+        if not isinstance(plugin, ZeroFabricPrecision):
+            plugin = ZeroFabricPrecision(resolve_plugin_flag(str(getattr(plugin, "precision", "32-true"))))
+        plugin._strategy = self
+        self._precision = plugin
 
-        # -- properties ------------------------------------------------------------------
-        @property
-        def engine(self):
-            """The engine of the (last) module set up."""
-            return self._engines[-1] if self._engines else None
+    # -- processes -------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._publish_world_ranks()
+        self._init_process_group()
 
-        @property
-        def config(self):
-            """The ZeroConfig in use: the engine's after setup, else the requested one."""
-            return self.engine.config if self.engine is not None else self._base_config
+    # -- model and optimizer ---------------------------------------------------------
+    def _config(self):
+        precision = engine_precision(self.precision.precision, self._base_config.precision)
+        return self._base_config.replace(precision=precision)
 
-        @property
-        def num_nodes(self) -> int:
-            return self._num_nodes
+    def _remember(self, engine):
+        self._engines = [e for e in self._engines if e.module is not engine.module] + [engine]
+        return engine
 
-        @num_nodes.setter
-        def num_nodes(self, value: int) -> None:
-            self._num_nodes = value
+    def _engine_for(self, module: Optional[nn.Module]):
+        if module is not None:
+            engine = engine_of(getattr(module, "_forward_module", module))
+            if engine is not None:
+                return engine
+        if len(self._engines) == 1:
+            return self._engines[0]
+        raise RuntimeError("pass the model to fabric.backward(loss, model=model): several modules are set up")
 
-        @property
-        def precision(self):
-            if self._precision is None:
-                self._precision = ZeroFabricPrecision("32-true")
-                self._precision._strategy = self
-            return self._precision
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if len(optimizers) != 1:
+            raise ValueError(f"ZeroFabricStrategy sets up one module with exactly one optimizer, got {len(optimizers)}")
+        engine = self._remember(initialize_engine(module, optimizers[0], self._config(), device=self.root_device))
+        return module, [engine.optimizer], scheduler
 
-        @precision.setter
-        def precision(self, plugin) -> None:
-            if plugin is None:
-                self._precision = None
-                return
-            if not isinstance(plugin, ZeroFabricPrecision):
-                plugin = ZeroFabricPrecision(resolve_plugin_flag(str(getattr(plugin, "precision", "32-true"))))
-            plugin._strategy = self
-            self._precision = plugin
+    def setup_module(self, module):
+        """Evaluation only (no optimizer): the module is partitioned for inference."""
+        if engine_of(module) is None:
+            self._remember(initialize_engine(module, None, self._config(), device=self.root_device))
+        return module
 
-        # -- processes -------------------------------------------------------------------
-        def setup_environment(self) -> None:
-            super().setup_environment()
-            self._publish_world_ranks()
-            self._init_process_group()
+    def setup_optimizer(self, optimizer):
+        raise NotImplementedError(self._err_msg_joint_setup_required())
 
-        # -- model and optimizer ---------------------------------------------------------
-        def _config(self):
-            precision = engine_precision(self.precision.precision, self._base_config.precision)
-            return self._base_config.replace(precision=precision)
+    def module_to_device(self, module) -> None:
+        if engine_of(module) is None and not has_meta_parameters(module):
+            module.to(self.root_device)
 
-        def _remember(self, engine):
-            self._engines = [e for e in self._engines if e.module is not engine.module] + [engine]
-            return engine
+    def module_init_context(self, empty_init: Optional[bool] = None):
+        """``fabric.init_module()``: under stage 3 parameters stay deferred (meta)
+        until ``fabric.setup`` materialises them partitioned on the device."""
+        stack = ExitStack()
+        stack.enter_context(self.root_device)
+        stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(partitioned_init(self._config()))
+        return stack
 
-        def _engine_for(self, module: Optional[nn.Module]):
-            if module is not None:
-                engine = engine_of(getattr(module, "_forward_module", module))
-                if engine is not None:
-                    return engine
-            if len(self._engines) == 1:
-                return self._engines[0]
-            raise RuntimeError("pass the model to fabric.backward(loss, model=model): several modules are set up")
+    def module_sharded_context(self):
+        return partitioned_init(self._config())
 
-        def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-            if len(optimizers) != 1:
-                raise ValueError(f"ZeroFabricStrategy sets up one module with exactly one optimizer, got {len(optimizers)}")
-            engine = self._remember(initialize_engine(module, optimizers[0], self._config(), device=self.root_device))
-            return module, [engine.optimizer], scheduler
+    def backward(self, tensor, module, *args, **kwargs) -> None:
+        self.precision.pre_backward(tensor, module)
+        self.precision.backward(tensor, module, *args, **kwargs)
+        self.precision.post_backward(tensor, module)
 
-        def setup_module(self, module):
-            """Evaluation only (no optimizer): the module is partitioned for inference."""
-            if engine_of(module) is None:
-                self._remember(initialize_engine(module, None, self._config(), device=self.root_device))
-            return module
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
+        engine = self._engine_for(module)
+        norm = engine.clip_grad_norm_(float(max_norm), norm_type=float(norm_type))
+        # An fp16 overflow gives an inf norm by design (the step will be skipped).
+        if error_if_nonfinite and not engine.config.uses_loss_scaling and not torch.isfinite(norm):
+            raise RuntimeError(f"the total norm of order {norm_type} for gradients is non-finite ({norm.item()})")
+        return norm
 
-        def setup_optimizer(self, optimizer):
-            raise NotImplementedError(self._err_msg_joint_setup_required())
+    def clip_gradients_value(self, module, optimizer, clip_val) -> None:
+        self._engine_for(module).clip_grad_value_(float(clip_val))
 
-        def module_to_device(self, module) -> None:
-            if engine_of(module) is None and not has_meta_parameters(module):
-                module.to(self.root_device)
+    # -- collectives -------------------------------------------------------------------
+    def all_reduce(self, tensor, group=None, reduce_op="mean"):
+        return self._sync_tensor(tensor, group, reduce_op)
 
-        def module_init_context(self, empty_init: Optional[bool] = None):
-            """``fabric.init_module()``: under stage 3 parameters stay deferred (meta)
-            until ``fabric.setup`` materialises them partitioned on the device."""
-            stack = ExitStack()
-            stack.enter_context(self.root_device)
-            stack.enter_context(self.precision.module_init_context())
-            stack.enter_context(partitioned_init(self._config()))
-            return stack
+    # -- checkpoints ---------------------------------------------------------------------
+    def _module_entry(self, state: dict):
+        modules = [(k, v) for k, v in state.items() if isinstance(v, nn.Module)]
+        if len(modules) != 1:
+            raise ValueError(f"ZeroFabricStrategy saves/loads a state with exactly one model, found {len(modules)}")
+        key, module = modules[0]
+        return key, self._engine_for(module)
 
-        def module_sharded_context(self):
-            return partitioned_init(self._config())
+    def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
+        """All ranks: a checkpoint directory (shards + manifest); non-model state goes
+        into ``client_state.pt``."""
+        if storage_options is not None or filter:
+            raise TypeError("ZeroFabricStrategy.save_checkpoint takes neither storage_options nor filter")
+        key, engine = self._module_entry(state)
+        client: Dict[str, Any] = {_OBJECTS_KEY: {"module": key, "optimizers": []}}
+        for k, v in state.items():
+            if isinstance(v, nn.Module):
+                continue
+            if isinstance(v, torch.optim.Optimizer):
+                client[_OBJECTS_KEY]["optimizers"].append(k)
+            elif isinstance(v, _Stateful):
+                client[k] = v.state_dict()
+            else:
+                client[k] = v
+        engine.save_checkpoint(Path(path), client_state=client)
 
-        def backward(self, tensor, module, *args, **kwargs) -> None:
-            self.precision.pre_backward(tensor, module)
-            self.precision.backward(tensor, module, *args, **kwargs)
-            self.precision.post_backward(tensor, module)
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
+        """Restore into ``state`` (a dict holding the set-up model, and optimizer) in place;
+        returns what the checkpoint holds beyond the requested keys."""
+        if not isinstance(state, dict) or not state:
+            raise ValueError("ZeroFabricStrategy.load_checkpoint needs the state dict with the set-up model to restore into")
+        _, engine = self._module_entry(state)
+        client = dict(engine.load_checkpoint(Path(path), weights_only=weights_only) or {})
+        client.pop(_OBJECTS_KEY, None)
+        for k, obj in list(state.items()):
+            if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+                continue  # restored by the engine
+            if k not in client:
+                if strict:
+                    raise KeyError(f"the requested state contains a key {k!r} that does not exist in the checkpoint")
+                continue
+            if isinstance(obj, _Stateful):
+                obj.load_state_dict(client.pop(k))
+            else:
+                state[k] = client.pop(k)
+        return client
 
-        def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
-            engine = self._engine_for(module)
-            norm = engine.clip_grad_norm_(float(max_norm), norm_type=float(norm_type))
-            # An fp16 overflow gives an inf norm by design (the step will be skipped).
-            if error_if_nonfinite and not engine.config.uses_loss_scaling and not torch.isfinite(norm):
-                raise RuntimeError(f"the total norm of order {norm_type} for gradients is non-finite ({norm.item()})")
-            return norm
+    def get_module_state_dict(self, module) -> dict:
+        """Consolidated weights (collective: call on every rank)."""
+        return self._engine_for(module).full_state_dict(rank0_only=False)
 
-        def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-            self._engine_for(module).clip_grad_value_(float(clip_val))
+    def load_module_state_dict(self, module, state_dict, strict: bool = True) -> None:
+        self._engine_for(module).load_full_state_dict(state_dict, strict=strict)
 
-        # -- collectives -------------------------------------------------------------------
-        def all_reduce(self, tensor, group=None, reduce_op="mean"):
-            return self._sync_tensor(tensor, group, reduce_op)
-
-        # -- checkpoints ---------------------------------------------------------------------
-        def _module_entry(self, state: dict):
-            modules = [(k, v) for k, v in state.items() if isinstance(v, nn.Module)]
-            if len(modules) != 1:
-                raise ValueError(f"ZeroFabricStrategy saves/loads a state with exactly one model, found {len(modules)}")
-            key, module = modules[0]
-            return key, self._engine_for(module)
-
-        def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
-            """All ranks: a checkpoint directory (shards + manifest); non-model state goes
-            into ``client_state.pt``."""
-            if storage_options is not None or filter:
-                raise TypeError("ZeroFabricStrategy.save_checkpoint takes neither storage_options nor filter")
-            key, engine = self._module_entry(state)
-            client: Dict[str, Any] = {_OBJECTS_KEY: {"module": key, "optimizers": []}}
-            for k, v in state.items():
-                if isinstance(v, nn.Module):
-                    continue
-                if isinstance(v, torch.optim.Optimizer):
-                    client[_OBJECTS_KEY]["optimizers"].append(k)
-                elif isinstance(v, Stateful):
-                    client[k] = v.state_dict()
-                else:
-                    client[k] = v
-            engine.save_checkpoint(Path(path), client_state=client)
-
-        def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
-            """Restore into ``state`` (a dict holding the set-up model, and optimizer) in place;
-            returns what the checkpoint holds beyond the requested keys."""
-            if not isinstance(state, dict) or not state:
-                raise ValueError("ZeroFabricStrategy.load_checkpoint needs the state dict with the set-up model to restore into")
-            _, engine = self._module_entry(state)
-            client = dict(engine.load_checkpoint(Path(path), weights_only=weights_only) or {})
-            client.pop(_OBJECTS_KEY, None)
-            for k, obj in list(state.items()):
-                if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
-                    continue  # restored by the engine
-                if k not in client:
-                    if strict:
-                        raise KeyError(f"the requested state contains a key {k!r} that does not exist in the checkpoint")
-                    continue
-                if isinstance(obj, Stateful):
-                    obj.load_state_dict(client.pop(k))
-                else:
-                    state[k] = client.pop(k)
-            return client
-
-        def get_module_state_dict(self, module) -> dict:
-            """Consolidated weights (collective: call on every rank)."""
-            return self._engine_for(module).full_state_dict(rank0_only=False)
-
-        def load_module_state_dict(self, module, state_dict, strict: bool = True) -> None:
-            self._engine_for(module).load_full_state_dict(state_dict, strict=strict)
-
-        def get_optimizer_state(self, optimizer) -> dict:
-            return {}  # sharded: saved by save_checkpoint
-
-        @classmethod
-        def register_strategies(cls, strategy_registry) -> None:
-            for name, (params, description) in STRATEGY_NAMES.items():
-                strategy_registry.register(name, cls, description=description, override=True, **params)
-
-    ZeroFabricStrategy.__module__ = ZeroFabricPrecision.__module__ = __name__
-    return ZeroFabricStrategy, ZeroFabricPrecision
+    def get_optimizer_state(self, optimizer) -> dict:
+        return {}  # sharded: saved by save_checkpoint

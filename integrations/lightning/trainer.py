@@ -1,9 +1,8 @@
 """``ZeroStrategy`` for the Lightning Trainer.
 
-One implementation, built per namespace: ``lightning.pytorch`` and the standalone
-``pytorch_lightning`` package are separate copies with separate base classes and
-registries, so :func:`trainer_classes` creates the classes from whichever namespace it
-is given (and caches them).
+Written against ``lightning.pytorch``; ``trainer_standalone`` is its twin for the
+standalone ``pytorch_lightning`` package, made from this same code (see ``_twin``).
+Framework imports must therefore stay in the form ``from lightning.<x> import <name>``.
 
 [Note: how a training step reaches the engine]
 ``zero_strategy.initialize`` manages the LightningModule itself (parameter names stay
@@ -24,36 +23,35 @@ device until ``setup`` materialises them partitioned.
 """
 from __future__ import annotations
 
-import importlib
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional
 
-import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from ._common import (
     LIGHTNING_TO_ENGINE_PRECISION,
-    STRATEGY_NAMES,
+    backward_kwargs,
     base_config,
     engine_of,
     engine_precision,
     has_meta_parameters,
     initialize_engine,
     partitioned_init,
-    process_group_mixin,
     resolve_plugin_flag,
     split_client_state,
 )
+from ._process_group import ZeroProcessGroupMixin
 
-_CLASSES: Dict[str, Tuple[type, type]] = {}
-
-TRAINER_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
-
-
-def fabric_namespace_of(namespace: str) -> str:
-    return "lightning.fabric" if namespace == "lightning.pytorch" else "lightning_fabric"
+__all__ = ["ZeroStrategy", "ZeroPrecision"]
 
 
 class _StepRouter(nn.Module):
@@ -67,327 +65,281 @@ class _StepRouter(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def _backward_kwargs(args: tuple, kwargs: dict) -> dict:
-    """Positional arguments of ``Tensor.backward`` as keywords (the engine takes keywords)."""
-    names = ("gradient", "retain_graph", "create_graph", "inputs")
-    if len(args) > len(names):
-        raise TypeError(f"backward() takes at most {len(names)} positional arguments, got {len(args)}")
-    out = dict(zip(names, args))
-    out.update(kwargs)
-    return out
+class ZeroPrecision(Precision):
+    """Hands precision to the engine: no autocast, no GradScaler.
+
+    The engine keeps 16-bit parameters for compute and fp32 master shards, casts
+    floating inputs at the root forward, and applies the fp16 loss scale in
+    ``engine.backward``.  ``precision`` is Lightning's flag ("32-true",
+    "bf16-mixed" or "16-mixed")."""
+
+    def __init__(self, precision: str = "32-true") -> None:
+        if precision not in LIGHTNING_TO_ENGINE_PRECISION:
+            engine_precision(precision, "fp32")  # raises with the supported list
+        self.precision = precision
+        self._strategy = None
+
+    def _engine(self):
+        engine = None if self._strategy is None else self._strategy.engine
+        if engine is None:
+            raise RuntimeError("ZeroPrecision is used before ZeroStrategy.setup() created the engine")
+        return engine
+
+    def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
+        # Like DeepSpeed's plugin this bypasses LightningModule.backward: the loss
+        # scale and the end-of-backward reduction belong to the engine.
+        self._engine().backward(tensor, **backward_kwargs(args, kwargs))
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        closure_result = closure()
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + clipping
+        self._engine().step()  # False after an fp16 overflow: skipped on every rank
+        return closure_result
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        self._engine().clip_grad_norm_(float(clip_val))
+
+    def clip_grad_by_value(self, optimizer, clip_val) -> None:
+        self._engine().clip_grad_value_(float(clip_val))
 
 
-def trainer_classes(namespace: str = "lightning.pytorch") -> Tuple[type, type]:
-    """``(ZeroStrategy, ZeroPrecision)`` for ``namespace`` ("lightning.pytorch" or "pytorch_lightning")."""
-    if namespace not in TRAINER_NAMESPACES:
-        raise ValueError(f"namespace must be one of {TRAINER_NAMESPACES}, got {namespace!r}")
-    if namespace not in _CLASSES:
-        _CLASSES[namespace] = _build(namespace)
-    return _CLASSES[namespace]
+class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
+    """ZeRO data parallelism (zero_strategy) for the Lightning Trainer.
 
+    ``ZeroStrategy(stage=3, overlap_comm=True, ...)`` or ``ZeroStrategy(config="zero.yaml")``:
+    keyword options are ZeroConfig fields and override the config's values.
+    Registered under the names in ``_common.STRATEGY_NAMES``.  Precision comes from the
+    Trainer's ``precision=`` ("32-true", "bf16-mixed", "16-mixed")."""
 
-def _build(ns: str) -> Tuple[type, type]:
-    imp = importlib.import_module
-    fns = fabric_namespace_of(ns)
-    ParallelStrategy = imp(f"{ns}.strategies.parallel").ParallelStrategy
-    Precision = imp(f"{ns}.plugins.precision").Precision
-    SubprocessScriptLauncher = imp(f"{ns}.strategies.launchers.subprocess_script")._SubprocessScriptLauncher
-    TrainerFn = imp(f"{ns}.trainer.states").TrainerFn
-    rank_zero = imp(f"{ns}.utilities.rank_zero")
-    dist_utils = imp(f"{fns}.utilities.distributed")
-    reset_seed = imp(f"{fns}.utilities.seed").reset_seed
-    default_pg_timeout = imp(f"{fns}.plugins.collectives.torch_collective").default_pg_timeout
-    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+    strategy_name = "zero"
+    script_launcher_class = _SubprocessScriptLauncher
 
-    class ZeroPrecision(Precision):
-        """Hands precision to the engine: no autocast, no GradScaler.
-
-        The engine keeps 16-bit parameters for compute and fp32 master shards, casts
-        floating inputs at the root forward, and applies the fp16 loss scale in
-        ``engine.backward``.  ``precision`` is Lightning's flag ("32-true",
-        "bf16-mixed" or "16-mixed")."""
-
-        def __init__(self, precision: str = "32-true") -> None:
-            if precision not in LIGHTNING_TO_ENGINE_PRECISION:
-                engine_precision(precision, "fp32")  # raises with the supported list
-            self.precision = precision
-            self._strategy = None
-
-        def _engine(self):
-            engine = None if self._strategy is None else self._strategy.engine
-            if engine is None:
-                raise RuntimeError("ZeroPrecision is used before ZeroStrategy.setup() created the engine")
-            return engine
-
-        def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
-            # Like DeepSpeed's plugin this bypasses LightningModule.backward: the loss
-            # scale and the end-of-backward reduction belong to the engine.
-            self._engine().backward(tensor, **_backward_kwargs(args, kwargs))
-
-        def optimizer_step(self, optimizer, model, closure, **kwargs):
-            closure_result = closure()
-            self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + clipping
-            self._engine().step()  # False after an fp16 overflow: skipped on every rank
-            return closure_result
-
-        def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-            self._engine().clip_grad_norm_(float(clip_val))
-
-        def clip_grad_by_value(self, optimizer, clip_val) -> None:
-            self._engine().clip_grad_value_(float(clip_val))
-
-    ProcessGroupMixin = process_group_mixin(
-        SubprocessScriptLauncher, dist_utils, (rank_zero.rank_zero_only, utils_rank_zero_only)
-    )
-
-    class ZeroStrategy(ProcessGroupMixin, ParallelStrategy):
-        """ZeRO data parallelism (zero_strategy) for the Lightning Trainer.
-
-        ``ZeroStrategy(stage=3, overlap_comm=True, ...)`` or ``ZeroStrategy(config="zero.yaml")``:
-        keyword options are ZeroConfig fields and override the config's values.
-        Registered as "zero1", "zero2", "zero3" and "zero".  Precision comes from the
-        Trainer's ``precision=`` ("32-true", "bf16-mixed", "16-mixed")."""
-
-        strategy_name = "zero"
-
-        def __init__(
-            self,
-            stage: Optional[int] = None,
-            config: Any = None,
-            accelerator=None,
-            parallel_devices=None,
-            cluster_environment=None,
-            checkpoint_io=None,
+    def __init__(
+        self,
+        stage: Optional[int] = None,
+        config: Any = None,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
             precision_plugin=None,
-            process_group_backend: Optional[str] = None,
-            timeout: Optional[timedelta] = default_pg_timeout,
-            **options: Any,
-        ) -> None:
-            super().__init__(
-                accelerator=accelerator,
-                parallel_devices=parallel_devices,
-                cluster_environment=cluster_environment,
-                checkpoint_io=checkpoint_io,
-                precision_plugin=None,
-            )
-            self._base_config = base_config(stage, config, options)
-            # Left None unless given: the connector then hands us the plugin for the
-            # Trainer's precision flag through the setter below.
+        )
+        self._base_config = base_config(stage, config, options)
+        # Left None unless given: the connector then hands us the plugin for the
+        # Trainer's precision flag through the setter below.
+        self._precision_plugin = None
+        if precision_plugin is not None:
+            self.precision_plugin = precision_plugin
+        self.num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._engine = None
+
+    # -- what Lightning asks about the strategy ------------------------------------
+    @property
+    def engine(self):
+        """The ZeroEngine managing the LightningModule (None before setup)."""
+        return self._engine
+
+    @property
+    def config(self):
+        """The ZeroConfig in use: the engine's after setup, else the requested one."""
+        return self._engine.config if self._engine is not None else self._base_config
+
+    @property
+    def is_distributed(self) -> bool:
+        # Without it Lightning injects no DistributedSampler and sync_dist does nothing.
+        return True
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine (and its optimizer shards) must exist first
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # optimizer shards come back in load_checkpoint
+
+    @property
+    def precision_plugin(self):
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision("32-true")
+            self._precision_plugin._strategy = self
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        if plugin is None:
             self._precision_plugin = None
-            if precision_plugin is not None:
-                self.precision_plugin = precision_plugin
-            self.num_nodes = 1
-            self._process_group_backend = process_group_backend
-            self._timeout = timeout
-            self._engine = None
+            return
+        if not isinstance(plugin, ZeroPrecision):
+            flag = resolve_plugin_flag(str(getattr(plugin, "precision", "32-true")))
+            plugin = ZeroPrecision(flag)
+        plugin._strategy = self
+        self._precision_plugin = plugin
 
-        # -- what Lightning asks about the strategy ------------------------------------
-        @property
-        def engine(self):
-            """The ZeroEngine managing the LightningModule (None before setup)."""
-            return self._engine
+    # -- processes -------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._init_process_group()
 
-        @property
-        def config(self):
-            """The ZeroConfig in use: the engine's after setup, else the requested one."""
-            return self._engine.config if self._engine is not None else self._base_config
+    def set_world_ranks(self) -> None:
+        self._publish_world_ranks()
 
-        @property
-        def is_distributed(self) -> bool:
-            # Without it Lightning injects no DistributedSampler and sync_dist does nothing.
-            return True
+    # -- model and optimizer ---------------------------------------------------------
+    def _resolved_config(self):
+        precision = engine_precision(self.precision_plugin.precision, self._base_config.precision)
+        return self._base_config.replace(precision=precision)
 
-        @property
-        def restore_checkpoint_after_setup(self) -> bool:
-            return True  # the engine (and its optimizer shards) must exist first
+    def model_to_device(self) -> None:
+        module = self.lightning_module
+        # A partitioned module must not be moved; a deferred one is materialised
+        # on the device by the engine.
+        if engine_of(module) is None and not has_meta_parameters(module):
+            module.to(self.root_device)
 
-        @property
-        def lightning_restore_optimizer(self) -> bool:
-            return False  # optimizer shards come back in load_checkpoint
+    def setup(self, trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        config = self._resolved_config()
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            # configure_optimizers sees the module's own parameters (whole, or the
+            # same objects still partitioned by an earlier engine).
+            self.setup_optimizers(trainer)
+            optimizer = self._single_optimizer()
+            self._engine = initialize_engine(module, optimizer, config, device=self.root_device)
+            self.optimizers = [self._engine.optimizer]
+            self._guard_schedulers(module)
+        else:
+            existing = engine_of(module)
+            same = existing is not None and (existing.config.stage, existing.config.precision) == (config.stage, config.precision)
+            self._engine = existing if same else initialize_engine(module, None, config, device=self.root_device)
+        self.model = _StepRouter(module)
+        self.setup_precision_plugin()
+        self.barrier("ZeroStrategy.setup")
 
-        @property
-        def precision_plugin(self):
-            if self._precision_plugin is None:
-                self._precision_plugin = ZeroPrecision("32-true")
-                self._precision_plugin._strategy = self
-            return self._precision_plugin
+    def _single_optimizer(self):
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"ZeroStrategy needs exactly one optimizer from configure_optimizers (with as many param groups "
+                f"as you like), got {len(self.optimizers)}"
+            )
+        optimizer = self.optimizers[0]
+        if type(optimizer).__name__ == "_MockOptimizer":
+            raise ValueError("ZeroStrategy needs an optimizer to fit: configure_optimizers returned none")
+        return optimizer
 
-        @precision_plugin.setter
-        def precision_plugin(self, plugin) -> None:
-            if plugin is None:
-                self._precision_plugin = None
-                return
-            if not isinstance(plugin, ZeroPrecision):
-                flag = resolve_plugin_flag(str(getattr(plugin, "precision", "32-true")))
-                plugin = ZeroPrecision(flag)
-            plugin._strategy = self
-            self._precision_plugin = plugin
+    def _guard_schedulers(self, module) -> None:
+        """Skip step-interval LR schedulers after a step the engine skipped (fp16 overflow).
 
-        # -- processes -------------------------------------------------------------------
-        def setup_environment(self) -> None:
-            super().setup_environment()
-            reset_seed()
-            self.set_world_ranks()
-            self._init_process_group()
+        Lightning steps schedulers through ``LightningModule.lr_scheduler_step`` whatever
+        happened to the optimizer step; the guard wraps that hook on this module
+        instance for the duration of the run (removed in teardown)."""
+        self._unguard_schedulers(module)
+        step_ids = {id(c.scheduler) for c in self.lr_scheduler_configs if c.interval == "step"}
+        if not step_ids or not self._engine.config.uses_loss_scaling:
+            return
+        original = module.lr_scheduler_step
+        zero_optimizer = self._engine.optimizer
 
-        def set_world_ranks(self) -> None:
-            self._publish_world_ranks()
+        def lr_scheduler_step(scheduler, metric=None):
+            if id(scheduler) in step_ids and zero_optimizer.step_was_skipped:
+                return None
+            return original(scheduler, metric)
 
-        # -- model and optimizer ---------------------------------------------------------
-        def _resolved_config(self):
-            precision = engine_precision(self.precision_plugin.precision, self._base_config.precision)
-            return self._base_config.replace(precision=precision)
+        lr_scheduler_step._zero_strategy_guard = True
+        module.__dict__["lr_scheduler_step"] = lr_scheduler_step
 
-        def model_to_device(self) -> None:
-            module = self.lightning_module
-            # A partitioned module must not be moved; a deferred one is materialised
-            # on the device by the engine.
-            if engine_of(module) is None and not has_meta_parameters(module):
-                module.to(self.root_device)
+    @staticmethod
+    def _unguard_schedulers(module) -> None:
+        hook = module.__dict__.get("lr_scheduler_step") if module is not None else None
+        if getattr(hook, "_zero_strategy_guard", False):
+            del module.__dict__["lr_scheduler_step"]
 
-        def setup(self, trainer) -> None:
-            assert self.accelerator is not None
-            self.accelerator.setup(trainer)
-            module = self.lightning_module
-            config = self._resolved_config()
-            self.model_to_device()
-            if trainer.state.fn == TrainerFn.FITTING:
-                # configure_optimizers sees the module's own parameters (whole, or the
-                # same objects still partitioned by an earlier engine).
-                self.setup_optimizers(trainer)
-                optimizer = self._single_optimizer()
-                self._engine = initialize_engine(module, optimizer, config, device=self.root_device)
-                self.optimizers = [self._engine.optimizer]
-                self._guard_schedulers(module)
-            else:
-                existing = engine_of(module)
-                same = existing is not None and (existing.config.stage, existing.config.precision) == (config.stage, config.precision)
-                self._engine = existing if same else initialize_engine(module, None, config, device=self.root_device)
-            self.model = _StepRouter(module)
-            self.setup_precision_plugin()
-            self.barrier("ZeroStrategy.setup")
+    @contextmanager
+    def block_backward_sync(self):
+        """Accumulation micro-batches: stages 0/1 skip gradient communication."""
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
 
-        def _single_optimizer(self):
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ZeroStrategy needs exactly one optimizer from configure_optimizers (with as many param groups "
-                    f"as you like), got {len(self.optimizers)}"
-                )
-            optimizer = self.optimizers[0]
-            if type(optimizer).__name__ == "_MockOptimizer":
-                raise ValueError("ZeroStrategy needs an optimizer to fit: configure_optimizers returned none")
-            return optimizer
+    @contextmanager
+    def model_sharded_context(self):
+        """Around ``configure_model``: under stage 3 the parameters created there stay
+        on the meta device until ``setup`` materialises them partitioned."""
+        with partitioned_init(self._resolved_config()):
+            yield
 
-        def _guard_schedulers(self, module) -> None:
-            """Skip step-interval LR schedulers after a step the engine skipped (fp16 overflow).
+    # -- collectives -------------------------------------------------------------------
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        return self._sync_tensor(tensor, group, reduce_op)
 
-            Lightning steps schedulers through ``LightningModule.lr_scheduler_step`` whatever
-            happened to the optimizer step; the guard wraps that hook on this module
-            instance for the duration of the run (removed in teardown)."""
-            self._unguard_schedulers(module)
-            step_ids = {id(c.scheduler) for c in self.lr_scheduler_configs if c.interval == "step"}
-            if not step_ids or not self._engine.config.uses_loss_scaling:
-                return
-            original = module.lr_scheduler_step
-            zero_optimizer = self._engine.optimizer
+    # -- checkpoints ---------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict:
+        return {}  # the weights are in the shard files written by save_checkpoint
 
-            def lr_scheduler_step(scheduler, metric=None):
-                if id(scheduler) in step_ids and zero_optimizer.step_was_skipped:
-                    return None
-                return original(scheduler, metric)
+    def optimizer_state(self, optimizer) -> dict:
+        return {}  # likewise the optimizer shards
 
-            lr_scheduler_step._zero_strategy_guard = True
-            module.__dict__["lr_scheduler_step"] = lr_scheduler_step
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """All ranks: write a checkpoint *directory* at ``filepath`` (per-rank shards,
+        a manifest, and Lightning's other state in ``client_state.pt``)."""
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options (it writes a directory)")
+        if self._engine is None:
+            raise RuntimeError("ZeroStrategy.save_checkpoint before setup: there is no engine to save")
+        self._engine.save_checkpoint(Path(filepath), client_state=split_client_state(checkpoint))
 
-        @staticmethod
-        def _unguard_schedulers(module) -> None:
-            hook = module.__dict__.get("lr_scheduler_step") if module is not None else None
-            if getattr(hook, "_zero_strategy_guard", False):
-                del module.__dict__["lr_scheduler_step"]
-
-        @contextmanager
-        def block_backward_sync(self):
-            """Accumulation micro-batches: stages 0/1 skip gradient communication."""
-            if self._engine is None:
-                yield
-                return
-            with self._engine.no_sync():
-                yield
-
-        @contextmanager
-        def model_sharded_context(self):
-            """Around ``configure_model``: under stage 3 the parameters created there stay
-            on the meta device until ``setup`` materialises them partitioned."""
-            with partitioned_init(self._resolved_config()):
-                yield
-
-        # -- collectives -------------------------------------------------------------------
-        def reduce(self, tensor, group=None, reduce_op="mean"):
-            return self._sync_tensor(tensor, group, reduce_op)
-
-        # -- checkpoints ---------------------------------------------------------------------
-        def lightning_module_state_dict(self) -> dict:
-            return {}  # the weights are in the shard files written by save_checkpoint
-
-        def optimizer_state(self, optimizer) -> dict:
-            return {}  # likewise the optimizer shards
-
-        def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
-            """All ranks: write a checkpoint *directory* at ``filepath`` (per-rank shards,
-            a manifest, and Lightning's other state in ``client_state.pt``)."""
-            if storage_options is not None:
-                raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options (it writes a directory)")
-            if self._engine is None:
-                raise RuntimeError("ZeroStrategy.save_checkpoint before setup: there is no engine to save")
-            self._engine.save_checkpoint(Path(filepath), client_state=split_client_state(checkpoint))
-
-        def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
-            """A ZeRO checkpoint directory restores weights, optimizer shards and loss scale
-            here; an ordinary single-file checkpoint is read whole on every rank and its
-            weights are loaded in ``load_model_state_dict`` (optimizer state is not)."""
-            path = Path(checkpoint_path)
-            if path.is_dir() or path.with_name(path.name + ".old").is_dir():
-                client = self._engine.load_checkpoint(path, weights_only=weights_only) or {}
-                checkpoint = dict(client)
-                checkpoint["state_dict"] = {}
-                return checkpoint
-            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-            if checkpoint.get("optimizer_states") and self._engine.optimizer is not None:
-                rank_zero.rank_zero_warn(
-                    f"{path} is a single-file checkpoint: its weights and LR schedulers are restored, its optimizer "
-                    "state is not (ZeroStrategy restores optimizer state from its own checkpoint directories)"
-                )
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
+        """A ZeRO checkpoint directory restores weights, optimizer shards and loss scale
+        here; an ordinary single-file checkpoint is read whole on every rank and its
+        weights are loaded in ``load_model_state_dict`` (optimizer state is not)."""
+        path = Path(checkpoint_path)
+        if path.is_dir() or path.with_name(path.name + ".old").is_dir():
+            client = self._engine.load_checkpoint(path, weights_only=weights_only) or {}
+            checkpoint = dict(client)
+            checkpoint["state_dict"] = {}
             return checkpoint
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if checkpoint.get("optimizer_states") and self._engine.optimizer is not None:
+            rank_zero_warn(
+                f"{path} is a single-file checkpoint: its weights and LR schedulers are restored, its optimizer "
+                "state is not (ZeroStrategy restores optimizer state from its own checkpoint directories)"
+            )
+        return checkpoint
 
-        def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-            state_dict = checkpoint.get("state_dict") or {}
-            if state_dict:  # a single-file checkpoint; directories were loaded already
-                self._engine.load_full_state_dict(state_dict, strict=strict)
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        state_dict = checkpoint.get("state_dict") or {}
+        if state_dict:  # a single-file checkpoint; directories were loaded already
+            self._engine.load_full_state_dict(state_dict, strict=strict)
 
-        def load_optimizer_state_dict(self, checkpoint) -> None:
-            pass  # never called (lightning_restore_optimizer is False)
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # never called (lightning_restore_optimizer is False)
 
-        # -- end of a run --------------------------------------------------------------------
-        def teardown(self) -> None:
-            """Unlike the base class: no ``lightning_module.cpu()`` and no optimizer moves.
-            The engine stays attached, so the module keeps working (and stays partitioned)
-            after ``fit``; the next run, or another Trainer, picks it up."""
-            self._unguard_schedulers(self.lightning_module)
-            if self.cluster_environment is not None:
-                self.cluster_environment.teardown()
-            self.precision_plugin.teardown()
-            assert self.accelerator is not None
-            self.accelerator.teardown()
-            self.checkpoint_io.teardown()
-
-        @classmethod
-        def register_strategies(cls, strategy_registry) -> None:
-            for name, (params, description) in STRATEGY_NAMES.items():
-                strategy_registry.register(name, cls, description=description, override=True, **params)
-
-    ZeroStrategy.__module__ = ZeroPrecision.__module__ = __name__
-    ZeroStrategy.__qualname__, ZeroPrecision.__qualname__ = "ZeroStrategy", "ZeroPrecision"
-    return ZeroStrategy, ZeroPrecision
-
-
-__all__ = ["trainer_classes", "TRAINER_NAMESPACES"]
+    # -- end of a run --------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Unlike the base class: no ``lightning_module.cpu()`` and no optimizer moves.
+        The engine stays attached, so the module keeps working (and stays partitioned)
+        after ``fit``; the next run, or another Trainer, picks it up."""
+        self._unguard_schedulers(self.lightning_module)
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
