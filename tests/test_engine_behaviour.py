@@ -282,9 +282,10 @@ def _overlap_worker(rank, ws):
     original = engine.reducer._launch
 
     def spy(i):
-        # The end-of-backward flush clears _callback_queued first; launches before it
-        # happened while autograd was still producing gradients.
-        launched_inside_backward.append(engine._callback_queued)
+        # The end-of-backward callback moves the phase on before it flushes what is
+        # left; launches in phase BACKWARD happened while autograd was still
+        # producing gradients.
+        launched_inside_backward.append(engine.phase.value == "backward")
         return original(i)
 
     engine.reducer._launch = spy

@@ -79,7 +79,7 @@ def _overlap_worker(rank, ws):
     original = engine.reducer._launch
 
     def spy(i):
-        launches.append(engine._callback_queued)
+        launches.append(engine.phase.value == "backward")
         return original(i)
 
     engine.reducer._launch = spy

@@ -108,7 +108,7 @@ def _load_worker(rank, ws, kind, path):
             off, n = u.layout.offsets[i], u.layout.numels[i]
             expect[off : off + n] = full[key].reshape(-1).float() if key else float("nan")
         lo, hi = u.layout.shard_range(u.shard_index)
-        if not torch.equal(u.shard.float(), expect[lo:hi]):
+        if not torch.equal(u.params_store.local_values().float(), expect[lo:hi]):
             mismatches.append(u.names[0][0])
     tied = kind == "gpt2" and model.lm_head.weight is model.transformer.wte.weight
     missing_init = None

@@ -39,7 +39,7 @@ from zero_strategy.planner import (
     plan_partitioned_params,
     plan_replicated_params,
 )
-from zero_strategy.precision import LossScaler
+from zero_strategy.loss_scale import LossScaler
 
 FIELDS = [f.name for f in dataclasses.fields(ZeroConfig)]
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}

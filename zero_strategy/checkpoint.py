@@ -35,8 +35,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .precision import LossScaler
-from .safetensors_io import StreamingSafetensorsWriter, dtype_from_name, dtype_name
+from .loss_scale import LossScaler
+from .dtypes import dtype_from_name, dtype_name, precision_dtype
+from .safetensors_io import StreamingSafetensorsWriter
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -54,10 +55,6 @@ def _rank_file(d: Path, r: int, ext: str) -> Path:
 # ----------------------------------------------------------------------------------------
 # save
 # ----------------------------------------------------------------------------------------
-def _unit_value_source(unit) -> torch.Tensor:
-    return unit.master if unit.master is not None else unit.shard
-
-
 def _manifest(engine) -> dict:
     from . import __version__
 
@@ -110,7 +107,7 @@ def _rank_payload(engine) -> Tuple[Dict[str, torch.Tensor], dict]:
     extra: dict = {"optimizer_scalars": {}}
     state = engine.inner_optimizer.state if engine.inner_optimizer is not None else {}
     for u in engine.units:
-        tensors[f"unit{u.index}.value"] = _unit_value_source(u).detach().float().cpu()
+        tensors[f"unit{u.index}.value"] = u.params_store.local_values().detach().float().cpu()
         if not u.trainable:
             continue
         for key, v in state.get(u.optim_param, {}).items():
@@ -338,34 +335,21 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_on
     old_rank_scalars = reader.rank_json(0).get("optimizer_scalars", {}) if restore_optimizer else {}
 
     for u in engine.units:
-        lo, hi = u.layout.shard_range(u.shard_index)
-        values = torch.zeros(u.layout.shard_numel, dtype=torch.float32)
+        store = u.params_store
+        for i, names in enumerate(u.names):  # values: whatever part of each tensor this rank keeps
+            owned = store.owned_range(i)
+            if owned is not None:
+                store.write(i, _read_tensor_range(reader, by_name[names[0]], *owned).to(u.device), start=owned[0])
         state_keys = _old_state_keys(reader, u, by_name) if (restore_optimizer and u.trainable) else []
         states = {k: torch.zeros(u.layout.shard_numel, dtype=torch.float32) for k in state_keys}
         scalar_src = None
         for i, t_start, s_start, length in u.layout.tensor_slices_in_shard(u.shard_index):
             entry = by_name[u.names[i][0]]
-            if entry["unit"] is None:
-                piece = reader.shared(entry["key"]).reshape(-1)[t_start : t_start + length].float()
-            else:
-                piece = reader.read_unit_range(entry["unit"], "value", entry["offset"] + t_start, length)
-            values[s_start : s_start + length] = piece
             for k in state_keys:
                 if entry["unit"] is not None and reader.has_key(0, f"unit{entry['unit']}.optim.{k}"):
                     states[k][s_start : s_start + length] = reader.read_unit_range(entry["unit"], f"optim.{k}", entry["offset"] + t_start, length)
             if scalar_src is None and entry["unit"] is not None:
                 scalar_src = entry["unit"]
-        if u.keep_full:
-            # The whole unit is needed on every rank; read it rather than all-gathering.
-            full_vals = torch.zeros(u.layout.padded_numel, dtype=torch.float32)
-            for i, names in enumerate(u.names):
-                off, n = u.layout.offsets[i], u.layout.numels[i]
-                full_vals[off : off + n] = reader.tensor(by_name[names[0]])
-            u.full.copy_(full_vals.to(u.full.device))
-        else:
-            u.shard.copy_(values.to(u.shard.device))
-        if u.master is not None:
-            u.master.copy_(values.to(u.master.device))
         if restore_optimizer and u.trainable:
             st = {k: v.to(u.optim_param.device) for k, v in states.items()}
             if scalar_src is not None:
@@ -422,6 +406,13 @@ def load_client_state(path, *, weights_only: Optional[bool] = True):
         ) from None
     except (RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{path} is unreadable or truncated ({e})") from None
+
+
+def _read_tensor_range(reader, entry: dict, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of one saved tensor (flattened), as float32."""
+    if entry["unit"] is None:
+        return reader.shared(entry["key"]).reshape(-1)[start:end].float()
+    return reader.read_unit_range(entry["unit"], "value", entry["offset"] + start, end - start)
 
 
 def _check_model_matches(engine, reader, by_name: Dict[str, dict]) -> None:
@@ -490,9 +481,10 @@ def consolidate(directory, output_dir, dtype: Optional[str] = None, max_shard_by
     from the manifest first and tensors are streamed into it one at a time."""
     reader = CheckpointReader(directory)
     output_dir = Path(output_dir)
-    out_dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, "bad")
-    if out_dtype == "bad":
-        raise ValueError(f"dtype must be one of fp32, bf16, fp16 (or None to keep each tensor's original dtype), got {dtype!r}")
+    try:
+        out_dtype = None if dtype is None else precision_dtype(dtype)
+    except ValueError:
+        raise ValueError(f"dtype must be one of fp32, bf16, fp16 (or None to keep each tensor's original dtype), got {dtype!r}") from None
     entries = []  # (name, manifest entry or buffer name, dtype, shape)
     for entry in reader.manifest["tensors"]:
         dt = out_dtype or dtype_from_name(entry["dtype"])
@@ -530,7 +522,7 @@ def consolidate(directory, output_dir, dtype: Optional[str] = None, max_shard_by
     if (reader.directory / "config.json").exists():
         cfg = json.loads((reader.directory / "config.json").read_text())
         if out_dtype is not None:
-            cfg["torch_dtype"] = cfg["dtype"] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[out_dtype]
+            cfg["torch_dtype"] = cfg["dtype"] = dtype_name(out_dtype)
         _write_json(tmp / "config.json", cfg)
     reader.close()
     _swap_into_place(tmp, output_dir)

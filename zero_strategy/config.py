@@ -413,6 +413,6 @@ def _unknown_key_message(key: Any, valid: list) -> str:
 
 def _torch_dtype(precision: str):
     # Imported here so that the config and the estimate CLI load without torch.
-    import torch
+    from .dtypes import precision_dtype
 
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return precision_dtype(precision)

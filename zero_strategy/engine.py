@@ -16,6 +16,7 @@ The phases of a step, as the code follows them:
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import weakref
 from typing import Dict, Iterator, List, Optional
@@ -27,15 +28,18 @@ from .accounting import optimizer_state_bytes
 from .activation import apply_activation_checkpointing
 from .comm import Communicator
 from .config import ZeroConfig
-from .flat_unit import DataState, FlatUnit
+from .flat_unit import FlatUnit
 from .gather import ModuleGroup, ParameterGatherer
 from .hooks import cast_floating_inputs, register_hooks
 from .guard import guard_parameters, unguard_parameters
 from .materialize import forget_meta_moves, initialize_deferred, load_pretrained, meta_parameter_ids
 from .optimizer import ZeroOptimizer, repoint_optimizer
+from .loss_scale import LossScaler
+from .param_shard import ShardState, whole_values
 from .planner import plan_partitioned_params, plan_replicated_params
-from .precision import LossScaler
+from .policy import Policies
 from .reducer import GradientReducer
+from .stepper import step_units
 
 
 # Which engine manages which module.  Weak both ways: the engine holds its module, so a
@@ -47,17 +51,26 @@ def engine_of(module: nn.Module) -> Optional["ZeroEngine"]:
     """The open ZeroEngine managing ``module``, or None."""
     ref = _ENGINES.get(module)
     engine = ref() if ref is not None else None
-    return engine if engine is not None and not engine._closed else None
+    return engine if engine is not None and engine.phase is not Phase.CLOSED else None
+
+
+class Phase(enum.Enum):
+    """Where the engine is in a training step (see [Note: lifecycle])."""
+
+    IDLE = "idle"  # no gradient since the last step() / zero_grad()
+    BACKWARD = "backward"  # autograd is running backward through the model
+    ACCUMULATED = "accumulated"  # backward(s) inside no_sync only: local, unreduced gradients
+    REDUCED = "reduced"  # a backward reduced the gradients: step() may follow
+    GRADS_READY = "grads_ready"  # step's fp32 gradients are prepared (clip / overflow checked)
+    CLOSED = "closed"  # close() was called: nothing is managed any more
 
 
 def _broadcast_from_rank0(model: nn.Module, comm, skip) -> None:
     """Start every rank from rank 0's values (as DDP does), tensor by tensor."""
-    import torch.distributed as dist
-
     with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if id(t) not in skip and t.device.type != "meta":
-                dist.broadcast(t.data, src=dist.get_global_rank(comm.group, 0), group=comm.group)
+                comm.broadcast(t.data, 0, label=f"the initial value of {name}")
 
 
 def _materialization_device(device, comm) -> torch.device:
@@ -73,7 +86,19 @@ def _materialization_device(device, comm) -> torch.device:
 
 
 class ZeroEngine:
-    """Owns the units, the reducer, the gatherer and the loss scaler for one model."""
+    """Owns the units, the reducer, the gatherer and the loss scaler for one model.
+
+    [Note: lifecycle]
+    ``phase`` is one :class:`Phase`; every misuse check is a transition that is not
+    allowed from the current phase:
+
+    * IDLE/ACCUMULATED --first gradient--> BACKWARD --end--> REDUCED (synchronised or
+      sharded gradients) or ACCUMULATED (no_sync at stages 0-1: nothing reduced);
+    * REDUCED --a synchronised backward--> error (its gradients would be reduced twice);
+    * REDUCED --clip / overflow check--> GRADS_READY --step()--> IDLE;
+    * step() from IDLE (no backward) or ACCUMULATED (unreduced gradients) is an error;
+    * close() --> CLOSED, from which every call is an error.
+    """
 
     def __init__(
         self,
@@ -86,20 +111,19 @@ class ZeroEngine:
         sync_module_states: bool = False,
     ) -> None:
         self.config = ZeroConfig.coerce(config)
+        self.policies = pol = Policies.from_config(self.config)
         self.module = model
         self.comm = Communicator(process_group)
+        self.comm.configure(pol.comm.timeout, pol.comm.check_call_order)
         self.scaler = LossScaler.from_config(self.config)
         self.global_step = 0
         self.last_step_skipped = False
-        self._synced = True
-        self._callback_queued = False
-        self._master_grads_ready = False
-        self._closed = False
-        self._backward_since_step = False  # misuse checks: step() needs a backward first ...
-        self._synced_backward_done = False  # ... and a second synced backward needs a step()
+        self.phase = Phase.IDLE
+        self._synced = True  # False inside no_sync(): a mode, not a phase
+        self._backward_synced = True  # the mode the running backward started in
+        self._step_grad_ops: List[tuple] = []  # unscale / clip operations for this step's gradients
+        self._overflow = False
         self.last_load_report: Optional[Dict[str, list]] = None  # from pretrained=: missing / unexpected names
-        cfg = self.config
-        compute_dtype = cfg.param_dtype
         existing = engine_of(model)
         if existing is not None:
             raise ValueError(
@@ -115,42 +139,29 @@ class ZeroEngine:
         if sync_module_states and self.comm.world_size > 1:
             _broadcast_from_rank0(model, self.comm, skip=pending)
 
-        plan = (plan_partitioned_params if cfg.shards_parameters else plan_replicated_params)(model, optimizer, cfg)
+        shards_parameters = pol.stage.shards_parameters
+        plan = (plan_partitioned_params if shards_parameters else plan_replicated_params)(model, optimizer, self.config)
         self.untouched = plan.untouched
         self.orig_dtype_untouched = {n: p.dtype for n, p in plan.untouched.items()}
+        compute_dtype = pol.precision.compute_dtype
         for p in plan.untouched.values():
             if p.is_floating_point() and p.dtype != compute_dtype and id(p) not in pending:
                 p.data = p.data.to(compute_dtype)
 
+        module_names = {id(m): n for n, m in model.named_modules()}
         self.units: List[FlatUnit] = []
         for i, spec in enumerate(plan.units):
+            first, last = spec.names[0][0], spec.names[-1][0]
+            whole = not shards_parameters or spec.persistent
+            if not whole and spec.module is not None:
+                label = f"module {module_names.get(id(spec.module)) or '<root>'}"
+            else:
+                label = f"bucket {i} ({first}{' ... ' + last if last != first else ''})"
             self.units.append(
-                FlatUnit(
-                    i,
-                    spec.params,
-                    spec.names,
-                    group_index=spec.group_index,
-                    rank=self.comm.rank,
-                    world_size=self.comm.world_size,
-                    partition=cfg.stage >= 1,
-                    keep_full=not cfg.shards_parameters or spec.persistent,
-                    compute_dtype=compute_dtype,
-                    reduce_dtype=cfg.grad_reduce_dtype,
-                    keep_master=cfg.is_mixed_precision or cfg.offload_optimizer == "cpu",
-                    shards_gradients=cfg.shards_gradients,
-                    device=self.device,
-                    offload_device=torch.device("cpu") if cfg.offload_optimizer == "cpu" else None,
-                )
+                FlatUnit(i, spec.params, spec.names, group_index=spec.group_index, policies=pol, rank=self.comm.rank,
+                         world_size=self.comm.world_size, whole=whole, device=self.device, label=label)
             )
         self.trainable_units = [u for u in self.units if u.trainable]
-        module_names = {id(m): n for n, m in model.named_modules()}
-        for u, spec in zip(self.units, plan.units):
-            first, last = spec.names[0][0], spec.names[-1][0]
-            if cfg.shards_parameters and spec.module is not None and not spec.persistent:
-                u.label = f"module {module_names.get(id(spec.module)) or '<root>'}"
-            else:
-                u.label = f"bucket {u.index} ({first}{' ... ' + last if last != first else ''})"
-        self.comm.configure(cfg.collective_timeout, cfg.check_call_order)
 
         # The user's optimizer now updates this rank's shards.
         self.inner_optimizer = optimizer
@@ -164,29 +175,26 @@ class ZeroEngine:
 
         largest = max((u.layout.padded_numel for u in self.trainable_units), default=0)
         self.reducer = GradientReducer(
-            self._reduction_order(plan),
-            self.comm,
-            replicated=cfg.stage == 0,
-            overlap=cfg.overlap_comm,
-            max_in_flight=2 * max(cfg.reduce_bucket_size, largest),
+            self._reduction_order(plan), self.comm, overlap=pol.comm.overlap,
+            max_in_flight=2 * max(pol.comm.reduce_bucket_size, largest),
         )
 
         self.gatherer: Optional[ParameterGatherer] = None
-        if cfg.shards_parameters:
+        if shards_parameters:
             groups: Dict[int, ModuleGroup] = {}
-            names = {id(m): n for n, m in model.named_modules()}
             for u, spec in zip(self.units, plan.units):
                 if spec.module is None:
                     continue
                 g = groups.get(id(spec.module))
                 if g is None:
-                    g = groups[id(spec.module)] = ModuleGroup(spec.module, names.get(id(spec.module), "") or "<root>", [])
+                    g = groups[id(spec.module)] = ModuleGroup(spec.module, module_names.get(id(spec.module), "") or "<root>", [])
                 g.units.append(u)
                 g.numel += u.layout.padded_numel
-            self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=cfg.prefetch_bucket_size if cfg.overlap_comm else 0)
+            self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=pol.comm.prefetch_numel)
 
         self._handles = register_hooks(self)
         _ENGINES[model] = weakref.ref(self)
+        cfg = self.config
         self._undo_checkpointing = (
             apply_activation_checkpointing(model, cfg.activation_checkpointing, cfg.offload_activations)
             if cfg.activation_checkpointing
@@ -201,14 +209,14 @@ class ZeroEngine:
                 initialize_deferred(self, pending)
         elif pretrained is not None:
             self.last_load_report = load_pretrained(self, pretrained)
-        if cfg.shards_parameters:
+        if shards_parameters:
             # Last: materialisation and loading above write through the parameters.
             guard_parameters(self.units)
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:
         units = [u for u in self.units if u.trainable]
-        if not self.config.shards_parameters:
+        if not self.policies.stage.shards_parameters:
             return units  # already built in reverse registration order
         # Stage 3: unit modules in reverse registration order, the root last, then the
         # small persistent units (their gradients are ready at various points).
@@ -227,37 +235,54 @@ class ZeroEngine:
 
     # -- hooks' entry points ---------------------------------------------------------------
     def _on_param_grad(self, unit: FlatUnit, pos: int) -> None:
-        if not self._callback_queued:
-            if self._synced and self._synced_backward_done:
-                raise RuntimeError(
-                    "a second backward reached the model since the last step() outside no_sync(): its "
-                    "gradients would be reduced (and, with ZeRO, partitioned) twice. For gradient "
-                    "accumulation run every micro-batch but the last inside `with engine.no_sync():`; "
-                    "for several losses, add them and call backward once; otherwise call step() or "
-                    "zero_grad() between the backward passes."
-                )
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        unit.accept_grad(pos)
-        self.reducer.on_grad_ready(unit, self._synced)
+        if self.phase is not Phase.BACKWARD:
+            self._begin_backward()
+        unit.grads.accept(pos)
+        self.reducer.on_grad_ready(unit, self._backward_synced)
+
+    def _begin_backward(self) -> None:
+        if self._synced and self.phase in (Phase.REDUCED, Phase.GRADS_READY) and self._reduced_by_sync:
+            raise RuntimeError(
+                "a second backward reached the model since the last step() outside no_sync(): its "
+                "gradients would be reduced (and, with ZeRO, partitioned) twice. For gradient "
+                "accumulation run every micro-batch but the last inside `with engine.no_sync():`; "
+                "for several losses, add them and call backward once; otherwise call step() or "
+                "zero_grad() between the backward passes."
+            )
+        self._phase_before_backward = self.phase
+        self._backward_synced = self._synced
+        self.phase = Phase.BACKWARD
+        # Weak: the callback must not keep a dropped engine alive through autograd.
+        ref = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: ref() and ref()._on_backward_end())
 
     def _on_backward_end(self) -> None:
-        self._callback_queued = False
-        self._backward_since_step = True
-        if self._synced:
-            self._synced_backward_done = True
-        self.reducer.flush(self._synced)
+        synced = self._backward_synced
+        # The phase moves on first: what the flush launches is no longer overlapped
+        # with autograd (tests observe this).
+        reduces = bool(self.trainable_units) and any(GradientReducer.reduces_now(u, synced) for u in self.trainable_units)
+        before = self._phase_before_backward
+        if synced:
+            self._reduced_by_sync = True
+        if reduces or before in (Phase.REDUCED, Phase.GRADS_READY):
+            self.phase = Phase.REDUCED
+        else:
+            self.phase = Phase.ACCUMULATED
+        self._step_grad_ops = []
+        self.reducer.flush(synced)
         if self.gatherer is not None:
             self.gatherer.end_of_backward()
-        self._master_grads_ready = False
+
+    _reduced_by_sync = False  # a synchronised backward ran since the last step / zero_grad
+    _phase_before_backward = Phase.IDLE
 
     def _on_root_pre_forward(self, args, kwargs):
         self._check_open()
         if torch.is_grad_enabled() and self._synced:
             for u in self.trainable_units:
-                u.prepare_for_another_synced_backward()
-        if self.config.is_mixed_precision:
-            return cast_floating_inputs(args, kwargs, self.config.param_dtype)
+                u.grads.before_synced_forward()
+        if self.policies.precision.mixed:
+            return cast_floating_inputs(args, kwargs, self.policies.precision.compute_dtype)
         return None
 
     def _on_root_post_forward(self) -> None:
@@ -266,14 +291,9 @@ class ZeroEngine:
 
     def _unshard(self) -> None:
         for unit in self.units:
-            src = unit.master if unit.master is not None else unit.shard
-            full = torch.empty(unit.layout.padded_numel, dtype=src.dtype, device=unit.device)
-            if unit.layout.world_size == 1:
-                full.copy_(src)
-            else:
-                self.comm.all_gather_for_state(full, src.to(unit.device).contiguous())
+            full = whole_values(unit.params_store, self.comm, label=f"unsharding {unit.label}")
             for i, p in enumerate(unit.params):
-                p.data = unit.param_view(full, i).to(unit.orig_dtypes[i], copy=True)
+                p.data = unit.param_view(full.to(unit.device), i).to(unit.orig_dtypes[i], copy=True)
                 p.grad = None
         for u in self.trainable_units:
             u.optim_param.grad = None
@@ -282,7 +302,7 @@ class ZeroEngine:
                 p.data = p.data.to(self.orig_dtype_untouched[name])
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.phase is Phase.CLOSED:
             raise RuntimeError("this ZeroEngine was closed: the model's parameters are no longer managed; build a new engine with zero_strategy.initialize")
 
     # -- training API -------------------------------------------------------------------------
@@ -323,36 +343,64 @@ class ZeroEngine:
     def sync_gradients(self) -> bool:
         return self._synced
 
-    def _prepare_master_grads(self) -> bool:
-        """Give each optimizer shard its fp32 gradient; return True on an fp16 overflow
-        anywhere (agreed on by every rank)."""
-        if self._master_grads_ready:
+    def _check_grads_steppable(self, what: str) -> None:
+        """The transitions into GRADS_READY that are misuse (see [Note: lifecycle])."""
+        meta = self._device().type == "meta"  # planning dry runs step once to create optimizer state
+        if self.phase is Phase.BACKWARD:
+            raise RuntimeError(f"{what} was called while backward is still running through the model")
+        if self.phase is Phase.IDLE and not meta:
+            raise RuntimeError(
+                f"{what} was called but no backward reached the model since the last step() or zero_grad(): "
+                "there are no gradients to apply. Call engine.backward(loss) (or loss.backward()) first."
+            )
+        if self.phase is Phase.ACCUMULATED:
+            raise RuntimeError(
+                f"{what} was called after backward passes that all ran inside no_sync(): at stage "
+                f"{self.policies.stage.stage} their gradients are local to each rank and were never reduced, so "
+                "the update would differ per rank. Run the last micro-batch's backward outside no_sync()."
+            )
+        if not self._synced and not self.policies.stage.shards_gradients:
+            raise RuntimeError(
+                f"{what} was called inside no_sync(): at stage {self.policies.stage.stage} gradients are reduced "
+                "only by a backward outside no_sync(); call step() after leaving the no_sync() block."
+            )
+
+    def _prepare_master_grads(self, what: str = "step()") -> bool:
+        """Agree on fp16 overflow and move to GRADS_READY; return True on an overflow
+        anywhere.  The fp32 gradients themselves are made unit by unit in the step."""
+        if self.phase is Phase.GRADS_READY:
             return self._overflow
+        self._check_grads_steppable(what)
         if self.reducer.busy:
             self.reducer.flush(self._synced)
-        inv_scale = 1.0 / self.scaler.scale
-        local_overflow = False
-        for u in self.trainable_units:
-            g = u.reduced_grad()
-            p = u.optim_param
-            if g.dtype == p.dtype and g.device == p.device and inv_scale == 1.0:
-                p.grad = g
-            else:
-                p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
-                if inv_scale != 1.0:
-                    p.grad.mul_(inv_scale)
-            if self.config.uses_loss_scaling and not local_overflow:
-                local_overflow = not bool(torch.isfinite(p.grad).all())
         overflow = False
-        if self.config.uses_loss_scaling:
-            flag = torch.tensor([1.0 if local_overflow else 0.0], device=self._device())
-            overflow = bool(self.comm.control_all_reduce(flag, "max").item() > 0)
+        if self.policies.precision.loss_scaling:
+            local = any(not bool(torch.isfinite(u.grads.reduced()).all()) for u in self.trainable_units)
+            flag = torch.tensor([1.0 if local else 0.0], device=self._device())
+            overflow = bool(self.comm.control_all_reduce(flag, "max", label="the fp16 overflow check").item() > 0)
         self._overflow = overflow
-        self._master_grads_ready = True
+        inv_scale = 1.0 / self.scaler.scale
+        self._step_grad_ops = [("mul", inv_scale)] if inv_scale != 1.0 else []
+        self.phase = Phase.GRADS_READY
         return overflow
 
     def _device(self) -> torch.device:
         return self.units[0].device if self.units else torch.device("cpu")
+
+    def _step_grad(self, unit: FlatUnit, *, for_norm: bool = False) -> torch.Tensor:
+        """This unit's gradient as the optimizer will see it: this rank's reduced slice,
+        on the optimizer's device in fp32, with this step's unscale / clip applied."""
+        g = unit.grads.reduced()
+        target = unit.optim_param
+        if not self._step_grad_ops and g.dtype == target.dtype and g.device == target.device:
+            return g
+        out = g.to(device=target.device, dtype=target.dtype, copy=True)
+        for op, value in self._step_grad_ops:
+            if op == "mul":
+                out.mul_(value)
+            else:
+                out.clamp_(-value, value)
+        return out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip this step's gradients by their global norm over every shard; return the
@@ -360,22 +408,24 @@ class ZeroEngine:
         self._check_open()
         if self.optimizer is None:
             raise RuntimeError("clip_grad_norm_ needs an optimizer: initialize was called with optimizer=None")
-        overflow = self._prepare_master_grads()
+        overflow = self._prepare_master_grads("clip_grad_norm_()")
         norm_type = float(norm_type)
-        grads = [u.optim_param.grad for u in self.trainable_units if u.optim_param.grad is not None]
         dev = self._device()
+        local = torch.zeros((), device=dev, dtype=torch.float32)
+        for u in self.trainable_units:  # one unit's fp32 temporary at a time
+            g = self._step_grad(u).float()
+            part = g.abs().max() if norm_type == math.inf else g.norm(norm_type) ** norm_type
+            local = torch.maximum(local, part.to(dev)) if norm_type == math.inf else local + part.to(dev)
+            del g
         if norm_type == math.inf:
-            local = max((g.abs().max().float() for g in grads), default=torch.zeros((), device=dev)).reshape(1)
-            total = self._reduce_norm(local, "max")[0]
+            total = self._reduce_norm(local.reshape(1), "max")[0]
         else:
-            local = sum((g.float().norm(norm_type) ** norm_type for g in grads), torch.zeros((), device=dev)).reshape(1)
-            total = self._reduce_norm(local, "sum")[0] ** (1.0 / norm_type)
+            total = self._reduce_norm(local.reshape(1), "sum")[0] ** (1.0 / norm_type)
         if overflow or not torch.isfinite(total):
             return total
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+            self._step_grad_ops.append(("mul", coef))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -384,17 +434,15 @@ class ZeroEngine:
         self._check_open()
         if self.optimizer is None:
             raise RuntimeError("clip_grad_value_ needs an optimizer: initialize was called with optimizer=None")
-        if self._prepare_master_grads():
+        if self._prepare_master_grads("clip_grad_value_()"):
             return
-        for u in self.trainable_units:
-            if u.optim_param.grad is not None:
-                u.optim_param.grad.clamp_(-float(clip_value), float(clip_value))
+        self._step_grad_ops.append(("clamp", float(clip_value)))
 
     def _reduce_norm(self, local: torch.Tensor, op: str) -> torch.Tensor:
-        # Stage 0 holds the whole (replicated) gradient on every rank: nothing to combine.
-        if self.config.stage == 0:
+        # Replicated gradients (stage 0) are whole on every rank: nothing to combine.
+        if self.policies.stage.gradients_are_replicated:
             return local
-        return self.comm.control_all_reduce(local, op)
+        return self.comm.control_all_reduce(local, op, label="the gradient norm")
 
     def step(self) -> bool:
         """Apply the optimizer to this rank's shards and refresh the parameters.
@@ -403,13 +451,7 @@ class ZeroEngine:
         self._check_open()
         if self.optimizer is None:
             raise RuntimeError("step() needs an optimizer: initialize was called with optimizer=None")
-        # (On the meta device, planning dry runs step once to create the optimizer state.)
-        if not self._backward_since_step and self._device().type != "meta":
-            raise RuntimeError(
-                "step() was called but no backward reached the model since the last step() or zero_grad(): "
-                "there are no gradients to apply. Call engine.backward(loss) (or loss.backward()) first."
-            )
-        overflow = self._prepare_master_grads()
+        overflow = self._prepare_master_grads("step()")
         if overflow:
             if self.scaler.dynamic and self.scaler.scale <= self.scaler.min_scale and self.config.on_min_loss_scale == "raise":
                 self._raise_at_min_loss_scale()
@@ -419,9 +461,7 @@ class ZeroEngine:
             return False
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping)
-        self.inner_optimizer.step()
-        for u in self.trainable_units:
-            u.write_back_master()
+        step_units(self.inner_optimizer, self.trainable_units, self._step_grad)
         self._all_gather_updated_params()
         self.scaler.update(False)
         self.last_step_skipped = False
@@ -432,11 +472,11 @@ class ZeroEngine:
     def _raise_at_min_loss_scale(self) -> None:
         local = []
         for u in self.trainable_units:
-            g = u.optim_param.grad
-            if g is None or bool(torch.isfinite(g).all()):
+            g = u.grads.reduced()
+            if bool(torch.isfinite(g).all()):
                 continue
             bad = (~torch.isfinite(g)).nonzero().reshape(-1)
-            lo = u._lo  # the shard's first element within the unit
+            lo = u.params_store.lo  # the shard's first element within the unit
             for i, (off, n) in enumerate(zip(u.layout.offsets, u.layout.numels)):
                 if bool(((bad + lo >= off) & (bad + lo < off + n)).any()):
                     local.append(u.names[i][0])
@@ -450,16 +490,17 @@ class ZeroEngine:
         )
 
     def _all_gather_updated_params(self) -> None:
-        """Stages 1-2 (and stage 3's persistent units): every rank needs the full update."""
-        if self.config.stage == 0:
+        """Units kept whole (stages 1-2, stage 3's persistent ones) need every rank's update."""
+        if not self.policies.stage.gathers_after_step:
             return
         pending, in_flight = [], 0
         for u in self.trainable_units:
             if not u.keep_full:
                 continue  # stage 3: gathered on demand by the next forward
-            pending.append(self.comm.all_gather(u.full.data, u.shard, async_op=True, label=f"the updated {u.label}"))
+            store = u.params_store
+            pending.append(self.comm.all_gather(store.full.data, store.shard, async_op=True, label=f"the updated {u.label}"))
             in_flight += u.layout.padded_numel
-            if in_flight > self.config.allgather_bucket_size:
+            if in_flight > self.policies.comm.allgather_bucket_size:
                 for w in pending:
                     w.wait()
                 pending, in_flight = [], 0
@@ -468,11 +509,12 @@ class ZeroEngine:
 
     def zero_grad(self) -> None:
         for u in self.trainable_units:
-            u.zero_grad()
+            u.grads.zero()
             u.optim_param.grad = None
-        self._master_grads_ready = False
-        self._backward_since_step = False
-        self._synced_backward_done = False
+        self._step_grad_ops = []
+        self._reduced_by_sync = False
+        if self.phase is not Phase.CLOSED:
+            self.phase = Phase.IDLE
         self.comm.start_step(self.global_step)
 
     # -- reading and changing parameters outside forward ----------------------------------------
@@ -495,30 +537,35 @@ class ZeroEngine:
         untouched = [p for p in self.untouched.values() if id(p) in wanted]
         gathered_here = []
         for u in units:
-            if not u.keep_full and u.state is not DataState.GATHERED:
-                u.start_gather(self.comm)
+            if not u.keep_full and u.state is not ShardState.GATHERED:
+                u.params_store.start_gather(self.comm, u.label)
                 gathered_here.append(u)
         for u in gathered_here:
-            u.finish_gather()
+            u.params_store.finish_gather()
         try:
             yield
             if modifier_rank is not None:
                 with torch.no_grad():
                     for u in units:
-                        self.comm.broadcast(u.full.data, int(modifier_rank), label=f"the modified {u.label}")
-                        u.adopt_full_values()
+                        self.comm.broadcast(u.params_store.full.data, int(modifier_rank), label=f"the modified {u.label}")
+                        u.params_store.adopt_gathered()
                     for p in untouched:
                         self.comm.broadcast(p.data, int(modifier_rank), label="a modified parameter")
         finally:
             for u in gathered_here:
-                u.release()
+                u.params_store.release()
 
     # -- reports ----------------------------------------------------------------------------
     def memory_report(self) -> Dict[str, int]:
         """Bytes held on this rank now, by category (model states and comm buffers)."""
         report = {"parameters": 0, "gradients": 0, "master_weights": 0, "optimizer_state": 0, "communication_buffers": 0, "offloaded": 0}
         for u in self.units:
-            for k, v in u.bytes_by_category().items():
+            parts = dict(u.params_store.bytes())
+            if u.grads is not None:
+                parts.update(u.grads.bytes())
+            if self.policies.offload.offloads_optimizer:
+                parts["offloaded"] = parts.get("offloaded", 0) + parts["master_weights"]
+            for k, v in parts.items():
                 report[k] += v
         for p in self.untouched.values():
             report["parameters"] += p.numel() * p.element_size()
@@ -526,7 +573,7 @@ class ZeroEngine:
                 report["gradients"] += p.grad.numel() * p.grad.element_size()
         if self.inner_optimizer is not None:
             report["optimizer_state"] = optimizer_state_bytes(self.inner_optimizer)
-            if self.config.offload_optimizer == "cpu":
+            if self.policies.offload.offloads_optimizer:
                 report["offloaded"] += report["optimizer_state"]
         offloaded = report.pop("offloaded")
         report["total"] = sum(report.values())
@@ -590,7 +637,7 @@ class ZeroEngine:
         ``unshard``: then every rank gets whole, independent parameters back, in their
         original dtypes (from the fp32 master values), and the model is an ordinary
         module again.  Collective when ``unshard``."""
-        if unshard and not self._closed:
+        if unshard and self.phase is not Phase.CLOSED:
             self._unshard()
             unguard_parameters(self.units)
         for u in self.units:
@@ -601,4 +648,4 @@ class ZeroEngine:
         for undo in self._undo_checkpointing:
             undo()
         self._undo_checkpointing = []
-        self._closed = True
+        self.phase = Phase.CLOSED

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .flat_unit import DataState
+from .param_shard import ShardState
 
 
 class ModuleGroup:
@@ -33,23 +33,22 @@ class ModuleGroup:
         self.name = name
         self.units = list(units)
         self.numel = sum(u.layout.padded_numel for u in self.units)
-        self.post_backward_done = False
 
     @property
     def gathered(self) -> bool:
-        return all(u.state is not DataState.SHARDED for u in self.units)
+        return all(u.state is not ShardState.SHARDED for u in self.units)
 
     def start_gather(self, comm) -> None:
         for u in self.units:
-            u.start_gather(comm)
+            u.params_store.start_gather(comm, u.label)
 
     def wait(self) -> None:
         for u in self.units:
-            u.finish_gather()
+            u.params_store.finish_gather()
 
     def release(self) -> None:
         for u in self.units:
-            u.release()
+            u.params_store.release()
 
 
 class _PostBackward(torch.autograd.Function):
@@ -115,7 +114,6 @@ class ParameterGatherer:
             return  # recomputation inside backward (activation checkpointing): keep it
         group.release()
         if torch.is_grad_enabled():
-            group.post_backward_done = False
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             fired = [False]
 
@@ -164,7 +162,6 @@ class ParameterGatherer:
             self._prefetch(reversed(self.forward_order[:i]))
 
     def post_backward(self, group: ModuleGroup) -> None:
-        group.post_backward_done = True
         group.release()
 
     def end_of_backward(self) -> None:

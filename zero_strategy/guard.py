@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .flat_unit import DataState
+from .param_shard import ShardState
 
 
 class PartitionedParameterError(RuntimeError):
@@ -96,7 +96,7 @@ def _unguard(p) -> None:
 
 def _released(t) -> bool:
     unit = t.__dict__.get("_zero_unit")
-    return unit is not None and unit.state is not DataState.GATHERED
+    return unit is not None and unit.state is not ShardState.GATHERED
 
 
 def _first_released(args, kwargs):

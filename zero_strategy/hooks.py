@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import weakref
 from typing import List
 
 import torch
@@ -17,13 +18,17 @@ from torch.utils._pytree import tree_map
 
 def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
     handles = []
+    # Parameter hooks live on autograd's C++ side, which the garbage collector cannot
+    # see through: a strong reference to the engine there would keep a dropped engine
+    # (and its model and buffers) alive for ever.  They hold weak references.
+    engine_ref = weakref.ref(engine)
     for unit in engine.units:
         if not unit.trainable:
             continue
+        unit_ref = weakref.ref(unit)
         for pos, p in enumerate(unit.params):
-            handles.append(
-                p.register_post_accumulate_grad_hook(lambda _p, u=unit, i=pos: engine._on_param_grad(u, i))
-            )
+            handles.append(p.register_post_accumulate_grad_hook(
+                lambda _p, e=engine_ref, u=unit_ref, i=pos: _forward_grad(e, u, i)))
 
     root = engine.module
     handles.append(root.register_forward_pre_hook(lambda m, a, k: engine._on_root_pre_forward(a, k), with_kwargs=True))
@@ -66,6 +71,12 @@ def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
 
         handles.append(module.register_forward_pre_hook(lazy))
     return handles
+
+
+def _forward_grad(engine_ref, unit_ref, pos: int) -> None:
+    engine, unit = engine_ref(), unit_ref()
+    if engine is not None and unit is not None:
+        engine._on_param_grad(unit, pos)
 
 
 def cast_floating_inputs(args, kwargs, dtype: torch.dtype):

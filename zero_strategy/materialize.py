@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Set
 import torch
 import torch.nn as nn
 
-from .flat_unit import set_parameter_data
+from .param_shard import set_parameter_data
 
 
 @contextlib.contextmanager
@@ -184,10 +184,10 @@ def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = No
                 continue
             if id(p) in where:
                 unit, i = where[id(p)]
-                unit.write_param_values(i, p.data.reshape(-1))
+                unit.params_store.write(i, p.data.reshape(-1))
                 p.data = views[id(p)]
             elif id(p) in untouched:
-                p.data = p.data.to(engine.config.param_dtype) if p.is_floating_point() else p.data
+                p.data = p.data.to(engine.policies.precision.compute_dtype) if p.is_floating_point() else p.data
             todo.discard(id(p))
             pending.discard(id(p))
 
@@ -309,7 +309,7 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
                 not_provided.add(id(unit.params[i]))
                 continue
             used.add(key)
-            owned = unit.owned_range_of_param(i)
+            owned = unit.params_store.owned_range(i)
             if owned is None:
                 continue
             a, b = owned
@@ -317,13 +317,13 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
                 values = _read_flat_range(h, file_key, a, b).clone()
             if values.numel() != b - a:
                 raise ValueError(f"{files[key][0]}: {files[key][1]} has {values.numel()} elements in [{a}, {b}), expected {b - a}; shape mismatch?")
-            unit.write_param_values(i, values.to(torch.float32), start=a)
+            unit.params_store.write(i, values.to(torch.float32), start=a)
     with torch.no_grad():
         for name, p in engine.untouched.items():
             key = key_of(name)
             if key is not None:
                 if p.device.type == "meta":
-                    set_parameter_data(p, torch.empty(p.shape, dtype=engine.config.param_dtype, device=engine.device))
+                    set_parameter_data(p, torch.empty(p.shape, dtype=engine.policies.precision.compute_dtype, device=engine.device))
                     (pending or set()).discard(id(p))
                 with handle(files[key]) as (h, file_key):
                     p.copy_(h.get_tensor(file_key))

@@ -22,44 +22,50 @@ import torch
 
 
 class GradientReducer:
-    def __init__(self, units, comm, *, replicated: bool, overlap: bool, max_in_flight: int) -> None:
+    """Launches each trainable unit's gradient collective in the fixed order, keeping at
+    most ``max_in_flight`` elements of buckets in flight (the paper's C_B bound).
+    Which collective, and whether to reduce inside no_sync, is the unit's gradient
+    storage's to say (see :mod:`~zero_strategy.grad_storage`)."""
+
+    def __init__(self, units, comm, *, overlap: bool, max_in_flight: int) -> None:
         self.units = list(units)  # trainable units, in launch order
-        self._position = {id(u): i for i, u in enumerate(self.units)}
         self.comm = comm
-        self.replicated = replicated  # stage 0: all-reduce instead of reduce-scatter
         self.overlap = overlap
         self.max_in_flight = max_in_flight
         self._next = 0  # index of the next unit to launch in this backward
         self._launched = [False] * len(self.units)
-        self._pending: Deque[Tuple[object, object, torch.Tensor]] = deque()
+        self._pending: Deque[Tuple[object, object, torch.Tensor, torch.Tensor]] = deque()
         self._in_flight = 0
         self.peak_in_flight = 0  # elements: the C_B bound the tests check
         self.reduced_this_backward = False
 
-    def reduces_now(self, unit, synced: bool) -> bool:
-        return synced or unit.shards_gradients
+    @staticmethod
+    def reduces_now(unit, synced: bool) -> bool:
+        return synced or unit.grads.reduces_unsynced
 
     def on_grad_ready(self, unit, synced: bool) -> None:
         """A parameter of ``unit`` finished accumulating; launch what is now in order."""
         if not self.reduces_now(unit, synced) or not self.overlap:
             return
-        while self._next < len(self.units) and self.units[self._next].complete:
+        while self._next < len(self.units) and self.units[self._next].grads.complete:
             self._launch(self._next)
 
     def _launch(self, i: int) -> None:
         unit = self.units[i]
+        grads = unit.grads
         self._launched[i] = True
         self._next = i + 1
         # C_B: make room first, so buffers in flight never exceed the bound.
         while self._pending and self._in_flight + unit.layout.padded_numel > self.max_in_flight:
             self._finish_oldest()
-        full = unit.grad_for_reduction(self.comm.world_size)
-        if self.replicated:
-            work = self.comm.all_reduce(full, async_op=True, label=f"the gradients of {unit.label}")
+        full = grads.reduction_input(self.comm.world_size)
+        label = f"the gradients of {unit.label}"
+        if grads.collective == "all_reduce":
+            work = self.comm.all_reduce(full, async_op=True, label=label)
             out = full
         else:
-            out = unit.reduction_output()
-            work = self.comm.reduce_scatter(out, full, async_op=True, label=f"the gradients of {unit.label}")
+            out = grads.reduction_output()
+            work = self.comm.reduce_scatter(out, full, async_op=True, label=label)
         # Keep ``full`` referenced until the collective has finished with it.
         self._pending.append((unit, work, out, full))
         self._in_flight += full.numel()
@@ -69,7 +75,7 @@ class GradientReducer:
         unit, work, out, full = self._pending.popleft()
         work.wait()
         self._in_flight -= full.numel()
-        unit.finish_reduction(out, replicated=self.replicated)
+        unit.grads.finish_reduction(out)
 
     def flush(self, synced: bool) -> None:
         """End of backward: launch the rest in order, then wait for everything."""
@@ -83,7 +89,7 @@ class GradientReducer:
         self._next = 0
         self._launched = [False] * len(self.units)
         for u in self.units:
-            u.ready.clear()
+            u.grads.end_of_backward()
         self.reduced_this_backward = any_reduced
 
     @property

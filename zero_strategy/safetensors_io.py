@@ -18,23 +18,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}
-_NAMES = {
-    torch.float64: "float64", torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-    torch.int64: "int64", torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool",
-}
-_FROM_NAME = {v: k for k, v in _NAMES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _NAMES[dtype]
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    return _FROM_NAME[name]
+from .dtypes import safetensors_code
 
 
 class StreamingSafetensorsWriter:
@@ -49,7 +33,7 @@ class StreamingSafetensorsWriter:
             for s in shape:
                 n *= s
             nbytes = n * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
             self._sizes[name] = (dtype, tuple(shape), nbytes)
             offset += nbytes
         if metadata:

@@ -10,12 +10,9 @@ from typing import Dict
 
 import torch
 
-STATE_FORMAT = "zero_strategy.rank_state/1"
+from .param_shard import whole_values
 
-
-def _unit_source(unit) -> torch.Tensor:
-    """The most precise copy of this rank's slice: fp32 master if there is one."""
-    return unit.master if unit.master is not None else unit.shard
+STATE_FORMAT = "zero_strategy.rank_state/2"
 
 
 def full_state_dict(engine, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
@@ -23,12 +20,8 @@ def full_state_dict(engine, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
     keep = (comm.rank == 0) or not rank0_only
     by_id = {}
     for unit in engine.units:
-        src = _unit_source(unit)
-        if unit.layout.world_size == 1:
-            full = src  # stage 0: every rank holds everything
-        else:
-            full = torch.empty(unit.layout.padded_numel, dtype=src.dtype, device=src.device)
-            comm.all_gather_for_state(full, src.contiguous())
+        # The most precise copy of every rank's slice: the fp32 master if there is one.
+        full = whole_values(unit.params_store, comm, label=f"the state dict of {unit.label}")
         if keep:
             for i, p in enumerate(unit.params):
                 by_id[id(p)] = unit.param_view(full, i).to(device="cpu", dtype=unit.orig_dtypes[i], copy=True)
@@ -67,16 +60,10 @@ def load_full_state_dict(engine, state_dict: Dict[str, torch.Tensor], strict: bo
             value = state_dict[name]
             if tuple(value.shape) != unit.shapes[i]:
                 raise ValueError(f"load_full_state_dict: {name!r} has shape {tuple(value.shape)}, the model expects {unit.shapes[i]}")
-            flat = value.reshape(-1)
-            for (ti, t_start, s_start, length) in unit.layout.tensor_slices_in_shard(unit.shard_index):
-                if ti != i:
-                    continue
-                piece = flat[t_start : t_start + length]
-                unit.shard[s_start : s_start + length].copy_(piece)
-                if unit.master is not None:
-                    unit.master[s_start : s_start + length].copy_(piece)
-            if unit.keep_full:
-                unit.param_view(unit.full, i).copy_(value.view(unit.shapes[i]))
+            owned = unit.params_store.owned_range(i)
+            if owned is not None:
+                a, b = owned
+                unit.params_store.write(i, value.reshape(-1)[a:b].to(unit.device), start=a)
             for n in names:
                 done.add(n)
     with torch.no_grad():
@@ -99,8 +86,7 @@ def rank_state_dict(engine) -> dict:
             {
                 "names": [n[0] for n in u.names],
                 "numels": list(u.layout.numels),
-                "shard": u.shard.detach().cpu().clone(),
-                "master": None if u.master is None else u.master.detach().cpu().clone(),
+                "values": u.params_store.local_values().detach().cpu().clone(),
             }
             for u in engine.units
         ],
@@ -138,9 +124,7 @@ def load_rank_state_dict(engine, sd: dict) -> None:
     for u, s in zip(engine.units, sd["units"]):
         if s["names"] != [n[0] for n in u.names] or s["numels"] != list(u.layout.numels):
             raise ValueError(f"rank state unit {u.index} holds {s['names'][:3]}..., the engine's holds {[n[0] for n in u.names][:3]}...")
-        u.shard.copy_(s["shard"])
-        if u.master is not None:
-            u.master.copy_(s["master"])
+        u.params_store.write_local(s["values"])
     with torch.no_grad():
         for n, p in engine.untouched.items():
             p.copy_(sd["untouched"][n])
@@ -153,8 +137,9 @@ def load_rank_state_dict(engine, sd: dict) -> None:
     engine.scaler.load_state_dict(sd["loss_scaler"])
     engine.global_step = sd["step"]
     for u in engine.units:
-        if u.keep_full and u.layout.world_size > 1:
-            engine.comm.all_gather(u.full.data, u.shard, async_op=False)
+        if u.keep_full and u.layout.world_size > 1:  # every other rank's part of a whole unit
+            store = u.params_store
+            engine.comm.all_gather(store.full.data, store.shard, async_op=False, label=f"the resumed {u.label}")
 
 
 def _load_optimizer_keeping_group_dicts(optimizer, sd: dict) -> None:

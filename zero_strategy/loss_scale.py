@@ -1,4 +1,4 @@
-"""Mixed-precision helpers: dtype names and the fp16 dynamic loss scaler.
+"""The fp16 dynamic loss scaler.
 
 The loss scaler only holds numbers; the engine decides when to consult it, and the
 overflow flag it sees has already been agreed on by every rank (so all ranks skip the
@@ -7,10 +7,6 @@ same steps and keep identical scales).
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

@@ -1,0 +1,318 @@
+"""One unit's gradient storage, one class per way a stage keeps gradients.
+
+[Note: gradient storage by stage]
+========================  ==========================  ===============================
+class                     stage                       what persists until step()
+========================  ==========================  ===============================
+:class:`ReplicatedGrads`  0 (DDP)                     the whole gradient, all-reduced
+:class:`OwnerSliceGrads`  1 (optimizer state sharded) the whole local gradient; after
+                                                      reduction only this rank's slice
+                                                      is kept (the rest is zeroed)
+:class:`ShardedGrads`     2 and 3                     this rank's reduced slice only;
+                                                      the full-size gradient is a
+                                                      bucket that lives from the
+                                                      unit's first gradient to the end
+                                                      of its reduce-scatter
+========================  ==========================  ===============================
+
+Each exposes the same small protocol to the reducer (:meth:`accept`, ``complete``,
+:meth:`reduction_input`, :meth:`reduction_output`, :meth:`finish_reduction`) and to the
+step (:meth:`reduced`, :meth:`zero`), plus ``collective`` (which collective reduces it)
+and ``reduces_unsynced`` (whether it must reduce inside ``no_sync``), so neither the
+reducer nor the engine asks which stage is running.
+
+With optimizer offload the reduced slice goes to host memory in fp32 as each bucket
+finishes (:class:`OwnerSliceGrads` and :class:`ShardedGrads` take a ``slice_device``).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from .layout import FlatLayout
+from .param_shard import _nbytes
+
+
+class _GradStorage:
+    collective = "reduce_scatter"
+    reduces_unsynced = False
+
+    def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, shard_index: int, *,
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device) -> None:
+        self.params = list(params)
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.layout = layout
+        self.lo, self.hi = layout.shard_range(shard_index)
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.device = device
+        self.ready: set = set()  # positions of params whose gradient arrived in this backward
+        self.received: set = set()  # ... since the last zero(): params that got any gradient
+
+    def _view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        return flat[off : off + n].view(self.shapes[i])
+
+    def _new_full(self) -> torch.Tensor:
+        return torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def _prescaled(self, full: torch.Tensor, world_size: int) -> torch.Tensor:
+        """Averaged in advance (keeps 16-bit sums in range; the collective then yields the
+        mean, as DDP does) and in the reduce dtype."""
+        if world_size > 1:
+            full.div_(world_size)
+        return full.to(self.reduce_dtype) if full.dtype != self.reduce_dtype else full
+
+    def before_synced_forward(self) -> None:
+        """A training forward outside no_sync is about to run (see OwnerSliceGrads)."""
+
+    def end_of_backward(self) -> None:
+        self.ready.clear()
+
+
+class _PersistentFull(_GradStorage):
+    """Stages 0 and 1: a full-size gradient buffer with ``param.grad`` views into it, so
+    autograd accumulates in place across micro-batches."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.full = self._new_full()
+        self._attach_views()
+
+    def _attach_views(self) -> None:
+        for i, p in enumerate(self.params):
+            p.grad = self._view(self.full, i)
+
+    def accept(self, pos: int) -> None:
+        p = self.params[pos]
+        view = self._view(self.full, pos)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            # The grad was re-created (e.g. model.zero_grad(set_to_none=True)): fold it in.
+            view.add_(p.grad)
+            p.grad = view
+        self.ready.add(pos)
+        self.received.add(pos)
+
+
+class ReplicatedGrads(_PersistentFull):
+    """Stage 0: all-reduce the whole gradient; every rank keeps all of it."""
+
+    collective = "all_reduce"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._reduced: Optional[torch.Tensor] = None  # in the reduce dtype when it differs
+
+    def reduction_input(self, world_size: int) -> torch.Tensor:
+        return self._prescaled(self.full, world_size)
+
+    def reduction_output(self) -> None:
+        return None  # all-reduce works in place on the input
+
+    def finish_reduction(self, reduced: torch.Tensor) -> None:
+        if reduced.data_ptr() != self.full.data_ptr():
+            self.full.copy_(reduced)  # what param.grad shows
+            # The step reads the wider reduced copy, not its compute-dtype rounding.
+            self._reduced = reduced
+        self.ready.clear()
+
+    def reduced(self) -> torch.Tensor:
+        return self._reduced if self._reduced is not None else self.full
+
+    def zero(self) -> None:
+        self.full.zero_()
+        self._reduced = None
+        self._attach_views()
+        self.ready.clear()
+        self.received.clear()
+
+    def bytes(self) -> dict:
+        return {"gradients": _nbytes(self.full) + _nbytes(self._reduced), "communication_buffers": 0, "offloaded": 0}
+
+
+class OwnerSliceGrads(_PersistentFull):
+    """Stage 1: reduce-scatter the local gradient; keep only this rank's reduced slice.
+
+    Without offload and with the reduce dtype equal to the compute dtype, the reduced
+    slice is written back into ``full`` (the rest zeroed), so the stage holds the paper's
+    2 bytes/parameter of gradients; otherwise it lives in ``slice`` (reduce dtype, or
+    fp32 on the host with offload)."""
+
+    def __init__(self, *args, slice_device: Optional[torch.device] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        n = self.layout.shard_numel
+        self.offloaded = slice_device is not None
+        pin = self.offloaded and self.device.type == "cuda"
+        if self.offloaded:
+            self.slice: Optional[torch.Tensor] = torch.zeros(n, dtype=torch.float32, device=slice_device, pin_memory=pin)
+        elif self.reduce_dtype != self.compute_dtype:
+            self.slice = torch.zeros(n, dtype=self.reduce_dtype, device=self.device)
+        else:
+            self.slice = None
+        self._slice_fresh = True  # nothing reduced into ``slice`` since zero()
+        self._holds_reduced = False  # full[own slice] is already the reduced mean
+        self._prescaled_slice = False  # ... and was multiplied by N for another reduction
+
+    def reduction_input(self, world_size: int) -> torch.Tensor:
+        return self._prescaled(self.full, world_size)
+
+    def reduction_output(self) -> torch.Tensor:
+        if self.slice is not None and self._slice_fresh and self.slice.dtype == self.reduce_dtype and self.slice.device == self.device:
+            return self.slice  # the collective overwrites it
+        return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+
+    def finish_reduction(self, reduced: torch.Tensor) -> None:
+        if self.slice is not None:
+            if reduced.data_ptr() != self.slice.data_ptr():
+                if self._slice_fresh:
+                    self.slice.copy_(reduced)
+                else:
+                    self.slice.add_(reduced)
+            self.full.zero_()  # local grads are now folded into the slice
+        else:
+            # Keep the reduced slice inside ``full`` and drop the rest.
+            own = reduced if reduced.data_ptr() != self.full.data_ptr() else reduced.clone()
+            self.full.zero_()
+            self.full[self.lo : self.hi].copy_(own)
+            self._holds_reduced = True
+        self._prescaled_slice = False
+        self._slice_fresh = False
+        self.ready.clear()
+
+    def before_synced_forward(self) -> None:
+        """Rare: a second synchronised backward before ``step``.  The next reduction
+        pre-divides ``full`` by N and sums over ranks; only this rank holds its reduced
+        slice, so scale it by N first to keep it intact."""
+        if self._holds_reduced and self.layout.world_size > 1:
+            self.full[self.lo : self.hi].mul_(self.layout.world_size)
+            self._prescaled_slice = True
+        self._holds_reduced = False
+
+    def reduced(self) -> torch.Tensor:
+        if self.slice is not None:
+            return self.slice
+        if self._prescaled_slice:  # a forward ran but no synchronised backward followed
+            self.full[self.lo : self.hi].div_(self.layout.world_size)
+            self._prescaled_slice = False
+        return self.full[self.lo : self.hi]
+
+    def zero(self) -> None:
+        self.full.zero_()
+        self._attach_views()
+        if self.slice is not None:
+            self.slice.zero_()
+        self._slice_fresh = True
+        self._holds_reduced = self._prescaled_slice = False
+        self.ready.clear()
+        self.received.clear()
+
+    def bytes(self) -> dict:
+        slice_bytes = _nbytes(self.slice)
+        return {"gradients": _nbytes(self.full) + slice_bytes, "communication_buffers": 0,
+                "offloaded": slice_bytes if self.offloaded else 0}
+
+
+class ShardedGrads(_GradStorage):
+    """Stages 2 and 3: gradients are reduce-scattered every backward (inside no_sync too)
+    and only this rank's reduced slice is kept.
+
+    On the compute device the slice's storage is freed by :meth:`zero` and re-grown by
+    the next reduction, so it does not sit beside the next forward's activations (its
+    bytes count from backward to step, as in FSDP2)."""
+
+    reduces_unsynced = True
+
+    def __init__(self, *args, slice_device: Optional[torch.device] = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        n = self.layout.shard_numel
+        self.offloaded = slice_device is not None
+        pin = self.offloaded and self.device.type == "cuda"
+        dtype = torch.float32 if self.offloaded else self.reduce_dtype
+        self.slice = torch.zeros(n, dtype=dtype, device=slice_device or self.device, pin_memory=pin)
+        self.bucket: Optional[torch.Tensor] = None  # the full-size gradient, during backward
+        # (Not on the meta device: planning dry runs report the model states of a step.)
+        self._frees_between_steps = not self.offloaded and self.slice.device.type != "meta"
+        self._slice_fresh = True
+
+    def accept(self, pos: int) -> None:
+        p = self.params[pos]
+        if p.grad is not None:
+            if self.bucket is None:
+                self.bucket = self._new_full()
+            self._view(self.bucket, pos).add_(p.grad)
+            p.grad = None
+            self.received.add(pos)
+        self.ready.add(pos)
+
+    def reduction_input(self, world_size: int) -> torch.Tensor:
+        if self.bucket is None:
+            self.bucket = self._new_full()
+        return self._prescaled(self.bucket, world_size)
+
+    def _regrow(self) -> bool:
+        """Give a freed slice its storage back; True if it had none."""
+        storage = self.slice.untyped_storage()
+        if storage.nbytes() == 0 and self.slice.numel() > 0:
+            storage.resize_(self.slice.numel() * self.slice.element_size())
+            return True
+        return False
+
+    def reduction_output(self) -> torch.Tensor:
+        if self._slice_fresh and self.slice.dtype == self.reduce_dtype and self.slice.device == self.device:
+            self._regrow()  # no need to zero: the collective overwrites it
+            return self.slice
+        return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+
+    def finish_reduction(self, reduced: torch.Tensor) -> None:
+        self._regrow()
+        if reduced.data_ptr() != self.slice.data_ptr():
+            if self._slice_fresh:
+                self.slice.copy_(reduced)
+            else:
+                self.slice.add_(reduced)
+        self.bucket = None
+        self._slice_fresh = False
+        self.ready.clear()
+
+    def reduced(self) -> torch.Tensor:
+        if self._regrow():
+            self.slice.zero_()  # no reduction since zero(): the gradient is zero
+        return self.slice
+
+    def free(self) -> None:
+        """The step has consumed the slice: give its memory back now (see the class doc)."""
+        if self._frees_between_steps:
+            self.slice.untyped_storage().resize_(0)
+
+    def zero(self) -> None:
+        if self._frees_between_steps:
+            self.slice.untyped_storage().resize_(0)
+        else:
+            self.slice.zero_()
+        self.bucket = None
+        self._slice_fresh = True
+        self.ready.clear()
+        self.received.clear()
+
+    def bytes(self) -> dict:
+        slice_bytes = _nbytes(self.slice)
+        return {"gradients": slice_bytes, "communication_buffers": _nbytes(self.bucket),
+                "offloaded": slice_bytes if self.offloaded else 0}
+
+
+def grad_storage_for(kind: str, params, layout, shard_index, *, compute_dtype, reduce_dtype, device, slice_device=None):
+    """Build the storage ``kind`` names (see :class:`~zero_strategy.policy.StagePolicy`)."""
+    common = dict(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device)
+    if kind == "replicated":
+        return ReplicatedGrads(params, layout, shard_index, **common)
+    if kind == "owner_slice":
+        return OwnerSliceGrads(params, layout, shard_index, slice_device=slice_device, **common)
+    if kind == "sharded":
+        return ShardedGrads(params, layout, shard_index, slice_device=slice_device, **common)
+    raise ValueError(f"unknown gradient storage {kind!r}")

@@ -1,0 +1,232 @@
+"""One unit's parameter storage: this rank's shard, the fp32 master, the gathered buffer.
+
+[Note: what a parameter shard holds]
+A unit's parameters are views into one flat, padded buffer ``full`` of the compute
+dtype.  What else exists depends on two facts fixed at construction:
+
+* ``whole`` (stages 0-2, and stage-3 units below the persistence threshold): ``full``
+  is always allocated; this rank's ``shard`` is a view of it.
+* partitioned (stage 3): ``full`` is allocated only while gathered
+  (``ShardState.GATHERED``); its storage is freed with ``untyped_storage().resize_(0)``
+  so the parameter views, and tensors autograd saved for backward, stay valid objects.
+
+``master`` is the fp32 copy of this rank's slice that the optimizer updates, kept for
+mixed precision and for optimizer offload (then on the host).  A partitioned unit whose
+master lives on the compute device keeps no 16-bit shard at all: the compute-dtype
+copy is made from the master for the all-gather and exists only while gathering
+(model states between steps: 12 bytes/parameter/N with Adam instead of the paper's 16).
+With fp32 training there is no master: the shard is what the optimizer updates.
+
+[Note: one read/write API]
+Every value that enters or leaves a shard goes through :meth:`ParamShard.write`
+(elements of one parameter, wherever this rank keeps them) or
+:meth:`ParamShard.local_values` (this rank's slice, at its best precision).  State
+dicts, checkpoints, pretrained loading, deferred initialisation and
+``gathered_parameters`` all use these, so there is one place where the copies
+(full, shard, master) are kept consistent.
+"""
+from __future__ import annotations
+
+import enum
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from .layout import FlatLayout
+
+
+def set_parameter_data(p: nn.Parameter, data: torch.Tensor) -> None:
+    """``p.data = data``, also across device types (a meta parameter materialised on a
+    real device), keeping the Parameter object itself: optimizers, tied modules and
+    user references still point at it."""
+    if p.device.type == data.device.type:
+        p.data = data
+    else:
+        torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's slice exists
+    GATHERING = "gathering"  # an all-gather into ``full`` is in flight
+    GATHERED = "gathered"  # ``full`` holds every rank's data
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    # Storage bytes, so that freed (resized-to-0) buffers count as what they hold: nothing.
+    return 0 if t is None else min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+class ParamShard:
+    """Owns a unit's parameter buffers and their :class:`ShardState`; never decides when
+    to communicate (the gatherer does) and never calls a collective except the one it is
+    asked to start."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        layout: FlatLayout,
+        shard_index: int,
+        *,
+        whole: bool,
+        compute_dtype: torch.dtype,
+        keep_master: bool,
+        device: torch.device,
+        master_device: torch.device,
+    ) -> None:
+        self.params = list(params)
+        self.shapes = [tuple(p.shape) for p in self.params]
+        self.layout = layout
+        self.whole = whole
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.lo, self.hi = layout.shard_range(shard_index)
+        self._gather_work = None
+        self._gather_source: Optional[torch.Tensor] = None
+        n = layout.shard_numel
+        pin = master_device != device and device.type == "cuda"
+        self.master: Optional[torch.Tensor] = (
+            torch.zeros(n, dtype=torch.float32, device=master_device, pin_memory=pin) if keep_master else None
+        )
+        # A partitioned unit whose master sits beside it needs no 16-bit shard: the
+        # all-gather input is cast from the master when gathering.
+        keeps_compute_shard = whole or self.master is None or master_device != device
+        self.full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
+        if whole:
+            self.shard: Optional[torch.Tensor] = self.full[self.lo : self.hi]
+        else:
+            self.shard = torch.zeros(n, dtype=compute_dtype, device=device) if keeps_compute_shard else None
+        self.state = ShardState.GATHERED
+        # Parameters built on the meta device (deferred init) get their values later,
+        # one tensor at a time, through ``write``; others are copied in now.
+        for i, p in enumerate(self.params):
+            if p.device.type != "meta":
+                self.write(i, p.detach().reshape(-1))
+        for p, off, shape in zip(self.params, layout.offsets, self.shapes):
+            set_parameter_data(p, self.full[off : off + p.numel()].view(shape))
+        if not whole:
+            self._free_full()
+
+    # -- the tensor the optimizer updates --------------------------------------------------
+    @property
+    def optimizer_target(self) -> torch.Tensor:
+        """The fp32 master, or (fp32 training) the shard itself."""
+        return self.master if self.master is not None else self.shard
+
+    # -- reading and writing values ----------------------------------------------------------
+    def owned_range(self, i: int) -> Optional[Tuple[int, int]]:
+        """``(start, end)`` within parameter ``i`` (flattened) that this rank holds, or
+        None: the whole tensor for whole units, else the overlap with the shard."""
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        if self.whole:
+            return (0, n)
+        a, b = max(self.lo, off), min(self.hi, off + n)
+        return (a - off, b - off) if a < b else None
+
+    def write(self, i: int, values: torch.Tensor, start: int = 0) -> None:
+        """Store elements ``[start, start + len(values))`` of parameter ``i`` (flattened)
+        in every copy this rank keeps of them: the whole buffer (if kept), the shard,
+        the master.  ``values`` may cover more than this rank's slice; the rest is ignored."""
+        values = values.reshape(-1).detach()
+        off = self.layout.offsets[i] + start
+        end = off + values.numel()
+        if self.whole:
+            self.full[off:end].copy_(values)
+        a, b = max(self.lo, off), min(self.hi, end)
+        if a >= b:
+            return
+        piece = values[a - off : b - off]
+        if self.shard is not None and not self.whole:
+            self.shard[a - self.lo : b - self.lo].copy_(piece)
+        if self.master is not None:
+            self.master[a - self.lo : b - self.lo].copy_(piece)
+
+    def local_values(self) -> torch.Tensor:
+        """This rank's slice at its best precision (the master if there is one)."""
+        return self.master if self.master is not None else self.shard
+
+    def write_local(self, values: torch.Tensor) -> None:
+        """Replace this rank's whole slice (a resumed shard); whole units must also
+        have every other rank's part rewritten, by :meth:`write` or an all-gather."""
+        values = values.reshape(-1)
+        if self.master is not None:
+            self.master.copy_(values)
+        if self.shard is not None:
+            self.shard.copy_(values)
+
+    def refresh_compute_copy(self) -> None:
+        """After the optimizer updated the master: bring the compute-dtype shard in line
+        (partitioned units without one cast at the next gather)."""
+        if self.master is not None and self.shard is not None:
+            self.shard.copy_(self.master)
+
+    def adopt_gathered(self) -> None:
+        """``full`` was changed while gathered (and agreed on by every rank): make this
+        rank's shard and master match it."""
+        own = self.full[self.lo : self.hi]
+        if self.shard is not None and not self.whole:
+            self.shard.copy_(own)
+        if self.master is not None:
+            self.master.copy_(own.to(self.master.device, torch.float32))
+
+    def view_of(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        off, n = self.layout.offsets[i], self.layout.numels[i]
+        return flat[off : off + n].view(self.shapes[i])
+
+    # -- gathering (partitioned units) ---------------------------------------------------------
+    def gather_input(self) -> torch.Tensor:
+        """What this rank contributes to an all-gather of the compute-dtype values."""
+        if self.shard is not None:
+            return self.shard
+        return self.master.to(self.compute_dtype)
+
+    def start_gather(self, comm, label: str) -> None:
+        if self.state is not ShardState.SHARDED:
+            return
+        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        # Held until the gather completes: a cast from the master is a temporary.
+        self._gather_source = self.gather_input()
+        # Write through ``.data`` so the all-gather does not bump autograd version counters.
+        self._gather_work = comm.all_gather(self.full.data, self._gather_source, async_op=True, label=label)
+        self.state = ShardState.GATHERING
+
+    def finish_gather(self) -> None:
+        if self.state is ShardState.GATHERING:
+            self._gather_work.wait()
+            self._gather_work = None
+            if self._gather_source is not self.shard and self._gather_source is not self.master:
+                # The cast from the master was a temporary; the communicator keeps recent
+                # work handles (and through them their tensors) alive for a while, so
+                # give its memory back explicitly.
+                self._gather_source.untyped_storage().resize_(0)
+            self._gather_source = None
+            self.state = ShardState.GATHERED
+
+    def release(self) -> None:
+        if self.whole or self.state is ShardState.SHARDED:
+            return
+        self.finish_gather()
+        self._free_full()
+
+    def _free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.state = ShardState.SHARDED
+
+    # -- accounting ------------------------------------------------------------------------------
+    def bytes(self) -> dict:
+        params = _nbytes(self.full) + (0 if self.whole else _nbytes(self.shard))
+        return {"parameters": params, "master_weights": _nbytes(self.master)}
+
+
+def whole_values(shard: ParamShard, comm, label: str) -> torch.Tensor:
+    """Every rank's slice at best precision, concatenated (collective for partitioned
+    layouts; at world size 1 the local slice itself)."""
+    src = shard.local_values()
+    if shard.layout.world_size == 1:
+        return src
+    full = torch.empty(shard.layout.padded_numel, dtype=src.dtype, device=src.device)
+    comm.all_gather_for_state(full, src.contiguous(), label=label)
+    return full
+
+
+__all__: List[str] = ["ParamShard", "ShardState", "set_parameter_data", "whole_values"]

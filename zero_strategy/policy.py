@@ -1,0 +1,107 @@
+"""The choices a ZeroConfig makes, as small objects built once per engine.
+
+[Note: policies]
+Code that behaves differently by stage, precision, offload or communication setting
+asks one of these objects a question ("are gradients sharded?", "which storage holds
+them?") instead of reading ``config.stage``; ``Policies.from_config`` is the only place
+that turns the config's numbers into those answers.  A new stage-like variation (disk
+offload, hierarchical partitioning) becomes a new answer here, not a new ``if`` in the
+engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import ZeroConfig
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """What ZeRO partitions (the paper's P_os, P_os+g, P_os+g+p)."""
+
+    stage: int  # for messages and manifests; behaviour reads the fields below
+    partitions_optimizer_state: bool  # stages 1-3: master weights and optimizer state are 1/N
+    shards_gradients: bool  # stages 2-3
+    shards_parameters: bool  # stage 3
+
+    @property
+    def grad_storage(self) -> str:
+        """Which :mod:`~zero_strategy.grad_storage` class keeps a unit's gradients."""
+        if self.shards_gradients:
+            return "sharded"
+        return "owner_slice" if self.partitions_optimizer_state else "replicated"
+
+    @property
+    def gradients_are_replicated(self) -> bool:
+        """Every rank holds the whole reduced gradient (a norm needs no collective)."""
+        return not self.partitions_optimizer_state
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Units kept whole need every rank's update all-gathered after the step."""
+        return self.partitions_optimizer_state
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    compute_dtype: torch.dtype  # parameters in forward/backward
+    reduce_dtype: torch.dtype  # gradients in collectives
+    mixed: bool  # compute dtype narrower than the fp32 master
+    loss_scaling: bool  # fp16: dynamic or static loss scale
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    optimizer_device: Optional[torch.device]  # ZeRO-Offload: master, gradient slice, optimizer state
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.optimizer_device is not None
+
+
+@dataclass(frozen=True)
+class CommPolicy:
+    overlap: bool  # reduce during backward / prefetch during forward
+    reduce_bucket_size: int
+    allgather_bucket_size: int
+    prefetch_numel: int  # 0: no prefetch
+    timeout: Optional[float]
+    check_call_order: bool
+
+
+@dataclass(frozen=True)
+class Policies:
+    stage: StagePolicy
+    precision: PrecisionPolicy
+    offload: OffloadPolicy
+    comm: CommPolicy
+
+    @property
+    def keeps_fp32_master(self) -> bool:
+        """A separate fp32 copy of the shard exists (mixed precision, or offload: the
+        host copy is what the optimizer updates)."""
+        return self.precision.mixed or self.offload.offloads_optimizer
+
+    @classmethod
+    def from_config(cls, config: ZeroConfig) -> "Policies":
+        s = config.stage
+        stage = StagePolicy(stage=s, partitions_optimizer_state=s >= 1, shards_gradients=s >= 2, shards_parameters=s == 3)
+        precision = PrecisionPolicy(
+            compute_dtype=config.param_dtype,
+            reduce_dtype=config.grad_reduce_dtype,
+            mixed=config.is_mixed_precision,
+            loss_scaling=config.uses_loss_scaling,
+        )
+        offload = OffloadPolicy(torch.device("cpu") if config.offload_optimizer == "cpu" else None)
+        comm = CommPolicy(
+            overlap=config.overlap_comm,
+            reduce_bucket_size=config.reduce_bucket_size,
+            allgather_bucket_size=config.allgather_bucket_size,
+            prefetch_numel=config.prefetch_bucket_size if config.overlap_comm else 0,
+            timeout=config.collective_timeout,
+            check_call_order=config.check_call_order,
+        )
+        return cls(stage, precision, offload, comm)

@@ -1,0 +1,66 @@
+"""The optimizer step over this rank's shards, one unit at a time where that is exact.
+
+[Note: stepping unit by unit]
+Each unit's fp32 gradient is made (cast from the reduced 16-bit slice, unscaled and
+clipped) just before the optimizer updates that unit, and freed right after, together
+with the reduced slice it came from.  So at most one unit's fp32 gradient, and one
+unit's worth of the optimizer's temporaries (a foreach Adam allocates several
+shard-sized ones), exist at a time, instead of all of them at once.
+
+That needs an optimizer whose update of one tensor depends on nothing but that
+tensor, its gradient and its own state, so that N calls of ``step()`` that each see one
+gradient (parameters without a gradient are skipped by every torch optimizer) equal
+one call that sees them all.  The built-in per-parameter optimizers listed in
+``PER_PARAMETER`` are; for any other class, and whenever step hooks are registered on
+the optimizer (they would run once per unit), every gradient is made first and
+``step()`` is called once.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.optim import optimizer as _optimizer_module
+
+PER_PARAMETER = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+
+
+def steps_unit_by_unit(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` may be stepped one unit at a time (see the module note)."""
+    if type(optimizer) not in PER_PARAMETER:
+        return False
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
+    global_hooks = (_optimizer_module._global_optimizer_pre_hooks, _optimizer_module._global_optimizer_post_hooks)
+    return not any(hooks) and not any(global_hooks)
+
+
+def step_units(optimizer: torch.optim.Optimizer, units: Sequence, grad_of: Callable) -> None:
+    """Run ``optimizer`` over ``units`` (trainable FlatUnits) with ``grad_of(unit)`` as
+    each one's gradient, then refresh each unit's compute-dtype copy."""
+    if steps_unit_by_unit(optimizer):
+        for u in units:
+            u.optim_param.grad = grad_of(u)
+            _release_reduced(u)
+            optimizer.step()
+            u.optim_param.grad = None
+            u.params_store.refresh_compute_copy()
+        return
+    for u in units:
+        u.optim_param.grad = grad_of(u)
+        _release_reduced(u)
+    optimizer.step()
+    for u in units:
+        u.optim_param.grad = None
+        u.params_store.refresh_compute_copy()
+
+
+def _release_reduced(unit) -> None:
+    """The reduced slice has been turned into the optimizer's gradient: free it now
+    unless the gradient *is* the slice (fp32 with nothing to unscale or clip)."""
+    free = getattr(unit.grads, "free", None)
+    if free is not None and unit.optim_param.grad.untyped_storage().data_ptr() != unit.grads.slice.untyped_storage().data_ptr():
+        free()
