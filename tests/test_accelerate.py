@@ -1,8 +1,8 @@
 """Accelerate and transformers Trainer integration (integrations/accelerate).
 
 Every multi-process check launches the REAL ``accelerate launch`` command with two CPU
-processes (``ACCELERATE_USE_CPU=true``, ``distributed_type: MULTI_GPU``; see
-INTEGRATION_NOTES) on the unchanged example scripts in examples/accelerate/, which do
+processes (``ACCELERATE_USE_CPU=true``, ``distributed_type: MULTI_GPU``: with
+``MULTI_CPU`` the launcher silently starts a single process unless mpirun is used) on the unchanged example scripts in examples/accelerate/, which do
 not import zero_strategy.  The reference for every number is the same script launched
 with a plain DDP config; checkpoint resumption is compared with the uninterrupted run.
 Each launch runs once per session (cached) and serves several tests.

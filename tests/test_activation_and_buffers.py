@@ -137,7 +137,7 @@ def test_stage_0_and_1_gradients_are_views_of_one_preallocated_flat_buffer():
         for _ in range(2):
             engine.backward(model(input_ids=ids, labels=ids).loss)
             for u in engine.trainable_units:
-                base = u.grad_full.untyped_storage().data_ptr()
+                base = u.grads.full.untyped_storage().data_ptr()  # the storage's documented buffer
                 assert all(p.grad.untyped_storage().data_ptr() == base for p in u.params)
             engine.step()
         engine.close()

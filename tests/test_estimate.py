@@ -1,4 +1,4 @@
-"""Memory estimates checked against the ZeRO paper (values copied from PAPER.md)."""
+"""Memory estimates checked against the ZeRO paper (Table 1 and the formulas of Rajbhandari et al., SC 2020)."""
 
 import pytest
 
@@ -52,7 +52,7 @@ def test_baseline_is_16_bytes_per_param_in_mixed_precision():
 def test_breakdown_per_stage_matches_the_formulas():
     psi, n = 1_000_000, 8  # divisible, so the exact formula has no rounding
     rows = {s: estimate(psi, n, s, "bf16", "adamw") for s in range(4)}
-    expected = {  # (params, grads, optimizer states) from PAPER.md with p = g = 2, K = 12
+    expected = {  # (params, grads, optimizer states) from the paper's formulas with p = g = 2, K = 12
         0: (2 * psi, 2 * psi, 12 * psi),
         1: (2 * psi, 2 * psi, 12 * psi // n),
         2: (2 * psi, 2 * psi // n, 12 * psi // n),

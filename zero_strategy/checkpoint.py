@@ -80,7 +80,7 @@ def _manifest(engine) -> dict:
             groups.append({k: v for k, v in g.items() if k != "params" and _jsonable(v)})
     return dict(
         format="zero_strategy.checkpoint", format_version=FORMAT_VERSION, library_version=__version__,
-        world_size=engine.comm.world_size, stage=cfg.stage, precision=cfg.precision, config=cfg.to_dict(),
+        world_size=engine.comm.world_size, stage=engine.policies.stage.stage, precision=cfg.precision, config=cfg.to_dict(),
         model_class=type(engine.module).__name__, tensors=tensors, units=units,
         buffers=_persistent_buffer_names(engine.module),
         optimizer=None if engine.inner_optimizer is None else dict(cls=type(engine.inner_optimizer).__name__, param_groups=groups),
@@ -316,10 +316,10 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_on
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"{reader.directory / MANIFEST}: bad loss_scaler entry ({e})") from None
     ws = engine.comm.world_size
-    if not allow_reshard and (m["world_size"] != ws or m["stage"] != engine.config.stage):
+    if not allow_reshard and (m["world_size"] != ws or m["stage"] != engine.policies.stage.stage):
         raise CheckpointError(
             f"{reader.directory} was saved at world size {m['world_size']} / stage {m['stage']} but this run has "
-            f"world size {ws} / stage {engine.config.stage}; pass allow_reshard=True to reshard it on load"
+            f"world size {ws} / stage {engine.policies.stage.stage}; pass allow_reshard=True to reshard it on load"
         )
     by_name: Dict[str, dict] = {}
     for entry in m["tensors"]:

@@ -11,7 +11,7 @@ import sys
 from decimal import Decimal, InvalidOperation
 from typing import Callable, Optional, Sequence
 
-from .estimate import OVERHEAD_DESCRIPTIONS, STAGE_NAMES, estimate, optimizer_bytes_per_param
+from .estimate import OVERHEAD_DESCRIPTIONS, SAVING_DESCRIPTIONS, STAGE_NAMES, estimate, optimizer_bytes_per_param
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -93,7 +93,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
     )
     k = optimizer_bytes_per_param(args.optimizer, args.precision)
     header = ("stage", "name", "params", "grads", "optimizer states",
-              "total (formula)", "total with overheads")
+              "total (formula)", "total with overheads", "ours: backward-step", "ours: between steps")
     for n in sizes:
         results = [estimate(args.params, n, s, args.precision, args.optimizer, **overhead_args)
                    for s in range(4)]
@@ -101,15 +101,26 @@ def _run_estimate(args: argparse.Namespace) -> int:
               f"precision {args.precision}, optimizer {args.optimizer} (K = {k} bytes/param)")
         rows = [header] + [
             (str(s), STAGE_NAMES[s], _gb(r.parameters), _gb(r.gradients),
-             _gb(r.optimizer_states), _gb(r.total), _gb(r.total_with_overheads))
+             _gb(r.optimizer_states), _gb(r.total), _gb(r.total_with_overheads),
+             _gb(r.held_during_step), _gb(r.held_between_steps))
             for s, r in enumerate(results)
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         for row in rows:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         _print_overheads(results)
+        _print_savings(results)
         print()
     return 0
+
+
+def _print_savings(results: list) -> None:
+    terms = [t for t in SAVING_DESCRIPTIONS if any(t in r.savings for r in results)]
+    if terms:
+        print("Below the formula:")
+    for term in terms:
+        print(f"  {term}: {SAVING_DESCRIPTIONS[term]}")
+    print("  stages 2-3 free their gradient shards in step(): 'between steps' leaves them out")
 
 
 def _print_overheads(results: list) -> None:

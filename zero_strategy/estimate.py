@@ -1,4 +1,5 @@
-"""Model-state memory per rank, by the ZeRO paper's formulas (see PAPER.md).
+"""Model-state memory per rank, by the ZeRO paper's formulas, and what this
+implementation actually holds beside them.
 
     stage 0 (baseline): (p + g + K) * Psi
     stage 1 (P_os):      p*Psi + g*Psi + K*Psi/N
@@ -43,6 +44,12 @@ OVERHEAD_DESCRIPTIONS = {
 }
 
 
+SAVING_DESCRIPTIONS = {
+    "compute_param_shard": "stage 3 with fp16/bf16 keeps no 16-bit parameter shard: the compute copy is "
+                           "cast from the fp32 master for each all-gather (p*Psi/N of the formula)",
+}
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes of model states held by one rank."""
@@ -53,6 +60,10 @@ class MemoryEstimate:
     """Includes the fp32 master copy in mixed precision (K * Psi/N from stage 1 on)."""
     overheads: dict = field(default_factory=dict)
     """Term name -> bytes this implementation adds beyond the paper's formula."""
+    savings: dict = field(default_factory=dict)
+    """Term name -> bytes of the formula this implementation does not hold (see SAVING_DESCRIPTIONS)."""
+    freed_between_steps: int = 0
+    """Gradient bytes that exist only from backward to step (stages 2-3 free them)."""
 
     @property
     def total(self) -> int:
@@ -62,6 +73,17 @@ class MemoryEstimate:
     @property
     def total_with_overheads(self) -> int:
         return self.total + sum(self.overheads.values())
+
+    @property
+    def held_during_step(self) -> int:
+        """What this implementation holds between backward and step (the peak of
+        model states): the formula, less the savings, plus the overheads."""
+        return self.total_with_overheads - sum(self.savings.values())
+
+    @property
+    def held_between_steps(self) -> int:
+        """What stays between steps (the next forward runs beside this)."""
+        return self.held_during_step - self.freed_between_steps
 
 
 def bytes_per_element(precision: str) -> int:
@@ -106,7 +128,9 @@ def estimate(
 ) -> MemoryEstimate:
     """Model-state bytes per rank for `stage`, plus optional implementation overheads.
 
-    `total` is the paper's formula. `overheads` holds what this implementation adds
+    `total` is the paper's formula; `held_during_step` / `held_between_steps` are what
+    this implementation holds (the formula less `savings`, plus `overheads`; stages 2-3
+    free their gradient shards between steps). `overheads` holds what this implementation adds
     beyond the formula; each term is computed only when its argument is given:
 
     - "padding" (num_units, stages 1-3): each flat unit is padded to a multiple of N,
@@ -152,7 +176,11 @@ def estimate(
     if stage == 3 and persistent:
         overheads["persistent_parameters"] = -(-persistent * (p + g) * (n - 1) // n)
 
-    return MemoryEstimate(parameters, gradients, optimizer_states, overheads)
+    savings = {}
+    if stage == 3 and canonical_precision(precision) != "fp32":
+        savings["compute_param_shard"] = parameters
+    freed = gradients if stage >= 2 else 0
+    return MemoryEstimate(parameters, gradients, optimizer_states, overheads, savings, freed)
 
 
 def paper_table(num_params=7.5e9, world_sizes=(1, 4, 16, 64, 256, 1024), precision="fp16"):

@@ -110,4 +110,4 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer(stage={self._engine.config.stage}, inner={self._inner.__class__.__name__})"
+        return f"ZeroOptimizer(stage={self._engine.policies.stage.stage}, inner={self._inner.__class__.__name__})"

@@ -91,7 +91,11 @@ class ParamShard:
         # A partitioned unit whose master sits beside it needs no 16-bit shard: the
         # all-gather input is cast from the master when gathering.
         keeps_compute_shard = whole or self.master is None or master_device != device
-        self.full = torch.zeros(layout.padded_numel, dtype=compute_dtype, device=device)
+        # A partitioned unit's full buffer is freed below without ever being written:
+        # ``empty`` never touches its pages, so building (or loading) a model bigger
+        # than one rank's memory never needs the whole of it resident.
+        make = torch.zeros if whole else torch.empty
+        self.full = make(layout.padded_numel, dtype=compute_dtype, device=device)
         if whole:
             self.shard: Optional[torch.Tensor] = self.full[self.lo : self.hi]
         else:

@@ -78,7 +78,7 @@ def rank_state_dict(engine) -> dict:
     cfg = engine.config
     return {
         "format": STATE_FORMAT,
-        "stage": cfg.stage,
+        "stage": engine.policies.stage.stage,
         "precision": cfg.precision,
         "world_size": engine.comm.world_size,
         "rank": engine.comm.rank,
@@ -113,7 +113,7 @@ def _snapshot(obj):
 def load_rank_state_dict(engine, sd: dict) -> None:
     if sd.get("format") != STATE_FORMAT:
         raise ValueError(f"not a zero_strategy rank state (format {sd.get('format')!r}, expected {STATE_FORMAT!r})")
-    ws, stage = engine.comm.world_size, engine.config.stage
+    ws, stage = engine.comm.world_size, engine.policies.stage.stage
     if sd["world_size"] != ws or sd["stage"] != stage:
         raise ValueError(
             f"this rank state was saved at world size {sd['world_size']} / stage {sd['stage']}, "
