@@ -73,6 +73,18 @@ def _broadcast_from_rank0(model: nn.Module, comm, skip) -> None:
                 comm.broadcast(t.data, 0, label=f"the initial value of {name}")
 
 
+def _weak_method(bound):
+    """A callable that does not keep its object alive (stored on parameters, which
+    autograd's C++ side holds)."""
+    ref = weakref.WeakMethod(bound)
+
+    def call(*args):
+        method = ref()
+        return method(*args) if method is not None else False
+
+    return call
+
+
 def _materialization_device(device, comm) -> torch.device:
     """Where deferred (meta) parameters are materialised: the given device; meta again on
     the fake process group (planning dry runs); else the current accelerator or CPU."""
@@ -142,6 +154,7 @@ class ZeroEngine:
         shards_parameters = pol.stage.shards_parameters
         plan = (plan_partitioned_params if shards_parameters else plan_replicated_params)(model, optimizer, self.config)
         self.untouched = plan.untouched
+        self.unit_module_classes = list(plan.unit_module_names)
         self.orig_dtype_untouched = {n: p.dtype for n, p in plan.untouched.items()}
         compute_dtype = pol.precision.compute_dtype
         for p in plan.untouched.values():
@@ -211,7 +224,7 @@ class ZeroEngine:
             self.last_load_report = load_pretrained(self, pretrained)
         if shards_parameters:
             # Last: materialisation and loading above write through the parameters.
-            guard_parameters(self.units)
+            guard_parameters(self.units, on_access=_weak_method(self.gatherer.on_access))
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:
@@ -278,6 +291,8 @@ class ZeroEngine:
 
     def _on_root_pre_forward(self, args, kwargs):
         self._check_open()
+        if self.gatherer is not None:
+            self.gatherer.begin_forward()
         if torch.is_grad_enabled() and self._synced:
             for u in self.trainable_units:
                 u.grads.before_synced_forward()
@@ -513,6 +528,8 @@ class ZeroEngine:
             u.optim_param.grad = None
         self._step_grad_ops = []
         self._reduced_by_sync = False
+        if self.gatherer is not None:
+            self.gatherer.end_of_step()
         if self.phase is not Phase.CLOSED:
             self.phase = Phase.IDLE
         self.comm.start_step(self.global_step)
@@ -582,6 +599,36 @@ class ZeroEngine:
         report["host"] = offloaded
         report["device"] = report["total"] - offloaded
         return report
+
+    def unit_summary(self) -> dict:
+        """What was partitioned how: the stage, the unit module classes chosen (stage 3),
+        every flat unit and, at stage 3, every gather group (module, class, elements)."""
+        names = {id(m): n for n, m in self.module.named_modules()}
+        groups = []
+        if self.gatherer is not None:
+            for g in self.gatherer.groups:
+                groups.append({"module": names.get(id(g.module), "") or "<root>", "class": type(g.module).__name__,
+                               "numel": g.numel, "units": [u.index for u in g.units]})
+        return dict(
+            stage=self.policies.stage.stage,
+            world_size=self.comm.world_size,
+            unit_modules=list(self.unit_module_classes),
+            num_units=len(self.units),
+            partitioned_elements=sum(u.layout.numel for u in self.units if not u.keep_full or self.policies.stage.partitions_optimizer_state),
+            whole_elements=sum(u.layout.numel for u in self.units if u.keep_full),
+            units=[dict(index=u.index, label=u.label, numel=u.layout.numel, whole=u.keep_full, trainable=u.trainable)
+                   for u in self.units],
+            groups=groups,
+            on_demand_gathers=self.gatherer.on_demand_gathers if self.gatherer is not None else 0,
+        )
+
+    def describe(self) -> str:
+        """One line for a start-up log: stage, world size, units, model-state bytes per rank."""
+        s = self.unit_summary()
+        mb = self.memory_report()["total"] / 2**20
+        what = f", unit modules {', '.join(s['unit_modules']) or '(root only)'} ({len(s['groups'])} gather groups)" if s["groups"] else ""
+        return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s): {s['num_units']} flat units{what}; "
+                f"model states {mb:.1f} MiB on this rank now")
 
     def comm_report(self):
         """Elements and bytes moved per collective kind since the last reset."""

@@ -15,9 +15,26 @@ block, or the root for everything else).  Its life in one training step:
 
 Forward order is recorded on the first training forward and reused; all ranks must run
 the same modules in the same order (the reliability checks enforce this).
+
+[Note: on-demand gathers]
+Code may use a partitioned parameter outside its own module's forward: TRL reads
+``lm_head.weight`` for a fused loss after the model's forward, torch.nn's
+TransformerEncoder inspects its layers' weights before running them, a parent module
+may use a child's weight.  The guard (guard.py) sees every such use and asks
+:meth:`ParameterGatherer.on_access`.  Inside the training window (a root forward, a
+backward, or between a grad-enabled root forward and its backward) the group is
+gathered if it is not, and *pinned*: autograd may have saved the parameter for
+backward, so the group stays gathered until the end of that backward (or, after a
+no-grad forward, until the forward ends; at the latest until step / zero_grad).
+Every rank runs the same code, so every rank makes the same gather.  Each group's
+first on-demand gather is logged once at DEBUG level (logger ``zero_strategy``) and
+all of them are counted in ``on_demand_gathers``.  Outside the window the guard
+raises its PartitionedParameterError instead, since a gather issued by one rank alone
+would hang.
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional
 
 import torch
@@ -26,6 +43,8 @@ from torch.utils._pytree import tree_flatten
 
 from .param_shard import ShardState
 
+log = logging.getLogger("zero_strategy")
+
 
 class ModuleGroup:
     def __init__(self, module: nn.Module, name: str, units) -> None:
@@ -33,6 +52,9 @@ class ModuleGroup:
         self.name = name
         self.units = list(units)
         self.numel = sum(u.layout.padded_numel for u in self.units)
+        self.active = False  # its module's forward or backward is running
+        self.pinned = False  # used outside its module: kept gathered (see [Note: on-demand gathers])
+        self.logged_on_demand = False
 
     @property
     def gathered(self) -> bool:
@@ -47,8 +69,14 @@ class ModuleGroup:
             u.params_store.finish_gather()
 
     def release(self) -> None:
+        if self.pinned:
+            return
         for u in self.units:
             u.params_store.release()
+
+    def unpin_and_release(self) -> None:
+        self.pinned = False
+        self.release()
 
 
 class _PostBackward(torch.autograd.Function):
@@ -77,6 +105,37 @@ class ParameterGatherer:
         self.forward_order: List[ModuleGroup] = []
         self._order_frozen = False
         self.in_backward = False
+        self.in_forward = False  # the root module's forward is running
+        self.awaiting_backward = False  # a grad-enabled root forward ran; its backward has not
+        self.group_of_unit: Dict[int, ModuleGroup] = {id(u): g for g in groups for u in g.units}
+        self.on_demand_gathers = 0
+
+    # -- uses outside a module's own forward (see [Note: on-demand gathers]) -----------
+    @property
+    def window_open(self) -> bool:
+        return self.in_forward or self.in_backward or self.awaiting_backward
+
+    def on_access(self, unit) -> bool:
+        """A partitioned parameter of ``unit`` is being used; True if it may be (now
+        gathered), False if the guard must refuse (outside the training window)."""
+        group = self.group_of_unit.get(id(unit))
+        if group is None:
+            return unit.state is ShardState.GATHERED
+        if group.active or group.pinned:
+            if not group.gathered or any(u.state is ShardState.GATHERING for u in group.units):
+                self.ensure_gathered(group)
+            return True
+        if not self.window_open:
+            return False
+        if not (group.gathered and all(u.state is ShardState.GATHERED for u in group.units)):
+            self.ensure_gathered(group)
+            self.on_demand_gathers += 1
+            if not group.logged_on_demand:
+                group.logged_on_demand = True
+                log.debug("zero_strategy: parameters of %s used outside its forward; gathered on demand and kept "
+                          "until the end of backward", group.name)
+        group.pinned = True
+        return True
 
     # -- helpers ------------------------------------------------------------------------
     def ensure_gathered(self, group: ModuleGroup) -> None:
@@ -100,8 +159,14 @@ class ParameterGatherer:
                 break
 
     # -- forward ------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        """The root module's forward starts."""
+        if not self.in_backward:
+            self.in_forward = True
+
     def pre_forward(self, group: ModuleGroup) -> None:
         self.ensure_gathered(group)
+        group.active = True
         if not self._order_frozen and torch.is_grad_enabled() and not self.in_backward:
             if group not in self.forward_order:
                 self.forward_order.append(group)
@@ -112,6 +177,7 @@ class ParameterGatherer:
     def post_forward(self, group: ModuleGroup, output) -> None:
         if self.in_backward:
             return  # recomputation inside backward (activation checkpointing): keep it
+        group.active = False
         group.release()
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -145,11 +211,26 @@ class ParameterGatherer:
         return tuple(args), kwargs
 
     def end_of_forward(self) -> None:
-        """Root forward finished: release every group a lazy hook may have gathered."""
+        """Root forward finished: release every group a lazy hook may have gathered;
+        groups pinned by an on-demand use stay gathered for the backward, if one can follow."""
         if self.in_backward:
             return
+        self.in_forward = False
+        grad = torch.is_grad_enabled()
+        self.awaiting_backward = self.awaiting_backward or grad
         for g in self.groups:
-            g.release()
+            g.active = False
+            if grad:
+                g.release()
+            else:
+                g.unpin_and_release()
+
+    def end_of_step(self) -> None:
+        """step() / zero_grad(): nothing gathered on demand outlives the step."""
+        self.awaiting_backward = False
+        for g in self.groups:
+            if g.pinned:
+                g.unpin_and_release()
 
     # -- backward -----------------------------------------------------------------------
     def pre_backward(self, group: ModuleGroup) -> None:
@@ -157,14 +238,18 @@ class ParameterGatherer:
         if not self._order_frozen and self.forward_order:
             self._order_frozen = True
         self.ensure_gathered(group)
+        group.active = True
         if group in self.forward_order:
             i = self.forward_order.index(group)
             self._prefetch(reversed(self.forward_order[:i]))
 
     def post_backward(self, group: ModuleGroup) -> None:
+        group.active = False
         group.release()
 
     def end_of_backward(self) -> None:
         for g in self.groups:
-            g.release()
+            g.active = False
+            g.unpin_and_release()
         self.in_backward = False
+        self.awaiting_backward = False

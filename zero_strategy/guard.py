@@ -6,11 +6,11 @@ crashes with a segmentation fault) or, in other systems, silently see an empty t
 The engine changes the class of each partitioned parameter to
 :class:`PartitionedParameter`, an ``nn.Parameter`` whose ``__torch_function__`` lets
 metadata through (shape, dtype, device, ``.grad``, ``requires_grad``, no-op ``.to``)
-and, while the parameter's values are not gathered, turns every other use into a
+and hands every other use to the gatherer (gather.py, [Note: on-demand gathers]): a
+use inside the training window is gathered on demand; outside it the use raises a
 :class:`PartitionedParameterError` naming the parameter and the way to read it
-(``engine.gathered_parameters``, ``engine.full_state_dict``).  Inside forward and
-backward the values are gathered, so the check passes; its cost is one Python call
-per operation that takes the parameter directly (a Linear's matmul, not its
+(``engine.gathered_parameters``, ``engine.full_state_dict``).  Its cost is one Python
+call per operation that takes the parameter directly (a Linear's matmul, not its
 activations).
 """
 from __future__ import annotations
@@ -74,9 +74,13 @@ class PartitionedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _METADATA:
-            released = _first_released(args, kwargs)
-            if released is not None and not (func in _MOVES and args and args[0] is released and _is_noop_move(func, args, kwargs)):
-                raise PartitionedParameterError(_message(released, func))
+            for p in _partitioned(args, kwargs):
+                if func in _MOVES and args and args[0] is p and _is_noop_move(func, args, kwargs):
+                    continue
+                access = p.__dict__.get("_zero_access")
+                usable = access(p._zero_unit) if access is not None and not p._zero_unit.closed else not _released(p)
+                if not usable:
+                    raise PartitionedParameterError(_message(p, func))
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)
         if func == _SET_DATA and args and type(args[0]) is cls:
@@ -92,6 +96,7 @@ def _unguard(p) -> None:
     p.__class__ = nn.Parameter
     p.__dict__.pop("_zero_unit", None)
     p.__dict__.pop("_zero_name", None)
+    p.__dict__.pop("_zero_access", None)
 
 
 def _released(t) -> bool:
@@ -99,16 +104,15 @@ def _released(t) -> bool:
     return unit is not None and unit.state is not ShardState.GATHERED
 
 
-def _first_released(args, kwargs):
+def _partitioned(args, kwargs):
+    """The PartitionedParameters among an operation's arguments (one level of lists)."""
     for a in (*args, *kwargs.values()):
         if type(a) is PartitionedParameter:
-            if _released(a):
-                return a
+            yield a
         elif isinstance(a, (list, tuple)):
             for b in a:
-                if type(b) is PartitionedParameter and _released(b):
-                    return b
-    return None
+                if type(b) is PartitionedParameter:
+                    yield b
 
 
 def _message(p, func) -> str:
@@ -128,8 +132,11 @@ def _message(p, func) -> str:
     )
 
 
-def guard_parameters(units) -> None:
-    """Make every parameter of the (not kept-whole) stage-3 units a PartitionedParameter."""
+def guard_parameters(units, on_access=None) -> None:
+    """Make every parameter of the (not kept-whole) stage-3 units a PartitionedParameter.
+
+    ``on_access(unit) -> bool`` is asked on every use of such a parameter's values: it
+    may gather the unit (and return True) or refuse (False: the use raises)."""
     for unit in units:
         if unit.keep_full:
             continue
@@ -137,6 +144,8 @@ def guard_parameters(units) -> None:
             p.__class__ = PartitionedParameter
             p._zero_unit = unit
             p._zero_name = names[0]
+            if on_access is not None:
+                p._zero_access = on_access
 
 
 def unguard_parameters(units) -> None:

@@ -131,17 +131,52 @@ def find_unit_module_classes(model: nn.Module, requested: Sequence[str], field: 
                 f"module classes present: {sorted(present)}"
             )
         return list(requested)
-    # auto: the repeated class (>= 2 instances) holding the most parameters in total.
-    totals: Counter = Counter()
+    return auto_unit_module_classes(model)
+
+
+# Modules that hold other modules but never run a forward of their own: a unit module
+# must run forward, since that is where its parameters are gathered.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def auto_unit_module_classes(model: nn.Module) -> List[str]:
+    """``unit_modules=("auto",)``: the classes whose instances become stage-3 units.
+
+    1. A model that declares its blocks (transformers' ``_no_split_modules``, the same
+       list its device-map and FSDP wrapping use, e.g. ``LlamaDecoderLayer`` or
+       ``T5Block``) gets those classes.
+    2. Otherwise: the *outermost repeated* classes.  A class is repeated when it has at
+       least two instances holding parameters and is not a container (ModuleList and
+       the like never run a forward); it is outermost when none of its instances lies
+       inside an instance of another repeated class.  So nn.Transformer gets its
+       encoder and decoder layers, a mixture of experts its blocks (not the experts'
+       Linear layers), and a plain stack of Linear layers its Linear layers.
+    """
+    present = Counter(type(m).__name__ for m in model.modules() if m is not model)
+    declared = set()
     for m in model.modules():
-        if m is model:
-            continue
-        if present[type(m).__name__] >= 2:
-            totals[type(m).__name__] += sum(p.numel() for p in m.parameters())
-    if not totals:
-        return []
-    best = max(totals.items(), key=lambda kv: (kv[1], kv[0]))[0]
-    return [best] if totals[best] > 0 else []
+        declared.update(getattr(m, "_no_split_modules", None) or ())
+    chosen = sorted(c for c in declared if present[c] > 0)
+    if chosen:
+        return chosen
+    counts: Counter = Counter()
+    for m in model.modules():
+        if m is not model and not isinstance(m, _CONTAINERS) and any(True for _ in m.parameters()):
+            counts[type(m).__name__] += 1
+    repeated = {c for c, n in counts.items() if n >= 2}
+    nested = set()  # repeated classes with an instance inside another repeated class's instance
+
+    def visit(module: nn.Module, inside: frozenset) -> None:
+        name = type(module).__name__
+        if name in repeated and module is not model:
+            if inside - {name}:
+                nested.add(name)
+            inside = inside | {name}
+        for child in module.children():
+            visit(child, inside)
+
+    visit(model, frozenset())
+    return sorted(repeated - nested)
 
 
 def plan_partitioned_params(model, optimizer, config) -> Plan:
