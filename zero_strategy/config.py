@@ -49,6 +49,7 @@ _FLOAT_RULES = {
 }
 
 _MIN_LOSS_SCALE_POLICIES = ("raise", "skip")
+MIN_COLLECTIVE_TIMEOUT = 0.1  # seconds
 
 
 def canonical_precision(value: Any, name: str = "precision") -> str:
@@ -193,7 +194,14 @@ class ZeroConfig:
 
     unit_modules: tuple = ("auto",)
     """Stage 3: class names of the modules whose parameters are gathered together, e.g.
-    ("GPT2Block",). ("auto",) = the largest repeated module class in the model."""
+    ("GPT2Block",). ("auto",) = the blocks the model declares (transformers'
+    _no_split_modules), else its outermost repeated module classes."""
+
+    exact_frozen_weights: bool = True
+    """bf16/fp16: parameters without an optimizer (frozen, or no optimizer at all) keep
+    an fp32 copy of this rank's slice, so state dicts and checkpoints give back exactly
+    the values that were loaded. False keeps them only in the compute dtype (rounded),
+    saving 4 bytes per frozen parameter / N (stages 1-3) or 4 bytes (stage 0)."""
 
     loss_scale: float = 0.0
     """fp16 only: 0 = dynamic loss scaling, > 0 = a static scale applied to every loss."""
@@ -229,7 +237,7 @@ class ZeroConfig:
     between forward and backward. Needs activation_checkpointing."""
 
     collective_timeout: float = 600.0
-    """Seconds any ZeRO collective may wait for the other ranks (> 0). When it runs out,
+    """Seconds any ZeRO collective may wait for the other ranks (at least 0.1). When it runs out,
     or a peer dies, every rank raises CollectiveError saying which collective (module,
     step) each rank was in, instead of hanging. Bounded on gloo; on NCCL the process
     group's own timeout and watchdog apply."""
@@ -280,11 +288,17 @@ class ZeroConfig:
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
+        if self.collective_timeout < MIN_COLLECTIVE_TIMEOUT:
+            raise ValueError(
+                f"ZeroConfig.collective_timeout is in seconds and must be at least {MIN_COLLECTIVE_TIMEOUT:g}, got "
+                f"{self.collective_timeout:g}: a wait that short fails healthy collectives (and below a microsecond "
+                "some backends read it as no timeout at all). For no practical limit, use a large value (at most 1e7)."
+            )
         if self.collective_timeout > 1e7:
             raise ValueError(f"ZeroConfig.collective_timeout must be at most 1e7 seconds (about 115 days), got {self.collective_timeout:g}")
         if self.offload_optimizer == "cpu" and self.stage == 0:
             raise ValueError("ZeroConfig.offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
-        for flag in ("offload_activations", "check_call_order", "check_finite_loss"):
+        for flag in ("offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):
             if not isinstance(getattr(self, flag), bool):
                 raise _type_error(flag, getattr(self, flag), "true or false")
         if self.on_min_loss_scale not in _MIN_LOSS_SCALE_POLICIES:

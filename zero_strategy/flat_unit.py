@@ -50,7 +50,7 @@ class FlatUnit:
         self.compute_dtype = precision.compute_dtype
         self.params_store = ParamShard(
             self.params, self.layout, self.shard_index, whole=whole, compute_dtype=precision.compute_dtype,
-            keep_master=self.trainable and policies.keeps_fp32_master, device=self.device,
+            keep_master=policies.keeps_fp32_master(self.trainable), device=self.device,
             master_device=offload.optimizer_device or self.device,
         )
         self.grads = None

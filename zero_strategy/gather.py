@@ -126,7 +126,8 @@ class ParameterGatherer:
                 self.ensure_gathered(group)
             return True
         if not self.window_open:
-            return False
+            # Outside training (e.g. inside gathered_parameters): usable iff gathered.
+            return unit.state is ShardState.GATHERED
         if not (group.gathered and all(u.state is ShardState.GATHERED for u in group.units)):
             self.ensure_gathered(group)
             self.on_demand_gathers += 1

@@ -124,12 +124,15 @@ def _granules(model: nn.Module, todo: Set[int]):
     classes = set(find_unit_module_classes(model, ("auto",)))
     covered: Set[int] = set()
     out = []
+    # One pass in registration order, the order eager construction draws random
+    # numbers in, so deferred values equal those of a model built normally.
     for m in model.modules():
-        if m is not model and type(m).__name__ in classes and id(m) not in covered:
+        if id(m) in covered:
+            continue
+        if m is not model and type(m).__name__ in classes:
             out.append(m)
             covered.update(id(x) for x in m.modules())
-    for m in model.modules():
-        if id(m) not in covered and any(id(p) in todo for p in m.parameters(recurse=False)):
+        elif any(id(p) in todo for p in m.parameters(recurse=False)):
             out.append(m)
             covered.add(id(m))
     return out

@@ -106,13 +106,14 @@ def _bucketize(entries, bucket_size: int, module, persistent: bool) -> List[Unit
 
 
 def plan_replicated_params(model, optimizer, config) -> Plan:
-    """Stages 0-2: bucketed units of trainable parameters; frozen ones untouched."""
+    """Stages 0-2: bucketed units of parameters (frozen ones in units of their own, so
+    their values are kept like any other's); non-floating ones untouched."""
     names = parameter_names(model)
     gidx = group_index_of(model, optimizer)
     plan = Plan()
     entries = []
     for pid, (p, pnames) in reversed(names.items()):
-        if gidx[pid] is None:
+        if not p.is_floating_point():
             plan.untouched[pnames[0]] = p
         else:
             entries.append((p, pnames, gidx[pid]))
@@ -205,6 +206,9 @@ def plan_partitioned_params(model, optimizer, config) -> Plan:
         per_module[id(m)] = []
     persistent = []
     for pid, (p, pnames) in names.items():
+        if not p.is_floating_point():
+            plan.untouched[pnames[0]] = p  # flat units hold floating-point values only
+            continue
         if p.numel() < config.param_persistence_threshold:
             persistent.append((p, pnames, gidx[pid]))
             continue

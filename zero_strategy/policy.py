@@ -51,6 +51,7 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype  # gradients in collectives
     mixed: bool  # compute dtype narrower than the fp32 master
     loss_scaling: bool  # fp16: dynamic or static loss scale
+    exact_frozen: bool  # units without an optimizer keep an fp32 copy of their values too
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,13 @@ class Policies:
     offload: OffloadPolicy
     comm: CommPolicy
 
-    @property
-    def keeps_fp32_master(self) -> bool:
-        """A separate fp32 copy of the shard exists (mixed precision, or offload: the
-        host copy is what the optimizer updates)."""
-        return self.precision.mixed or self.offload.offloads_optimizer
+    def keeps_fp32_master(self, trainable: bool) -> bool:
+        """A separate fp32 copy of the shard exists: for trainable units with mixed
+        precision or offload (the copy the optimizer updates); for the others with mixed
+        precision unless exact_frozen_weights is off (the values as loaded)."""
+        if trainable:
+            return self.precision.mixed or self.offload.offloads_optimizer
+        return self.precision.mixed and self.precision.exact_frozen
 
     @classmethod
     def from_config(cls, config: ZeroConfig) -> "Policies":
@@ -94,6 +97,7 @@ class Policies:
             reduce_dtype=config.grad_reduce_dtype,
             mixed=config.is_mixed_precision,
             loss_scaling=config.uses_loss_scaling,
+            exact_frozen=config.exact_frozen_weights,
         )
         offload = OffloadPolicy(torch.device("cpu") if config.offload_optimizer == "cpu" else None)
         comm = CommPolicy(
