@@ -39,6 +39,7 @@ EXPECTED_DEFAULTS = {
     "check_call_order": False,
     "on_min_loss_scale": "raise",
     "check_finite_loss": False,
+    "exact_frozen_weights": True,
 }
 
 
