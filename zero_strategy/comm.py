@@ -1,4 +1,4 @@
-"""Collectives as plain functions over tensors and a process group, with accounting.
+"""Communicator: every collective the engine issues, with accounting and positions.
 
 Every collective the engine issues goes through a :class:`Communicator`, which counts
 elements and bytes per collective kind so ``comm_report()`` can be compared with the
@@ -10,26 +10,34 @@ paper's 2Ψ / 3Ψ.  Accounting convention (the paper's, first-order ring volume)
 
 ``paper_volume`` in the report adds these up; small control collectives (overflow
 flags, norms) are counted under their own kind and excluded from ``paper_volume``.
+Only payloads are counted, never the in-band headers.
 
 [Note: no silent hangs]
 Every collective records where this rank is (kind, what it is for: a module name or a
-unit, its number within the step).  On gloo every wait is bounded by
-``collective_timeout``; when a collective times out or fails (a peer died, or the ranks
-issued different collectives), this rank publishes its position in the process group's
-store, collects the others' for a while, and raises :class:`CollectiveError` naming
-each rank's position, so a divergence or a dead rank ends the job on every rank with
-the same explanation instead of a hang.  (NCCL waits are not host-blocking; there the
-process group's own timeout and watchdog apply.)  With ``check_call_order`` every
-collective is preceded by a tiny exchange of positions, which stops the first
-divergent call on every rank, before mismatched collectives can pair up.
+unit, its number within the step).  On gloo:
+
+* every wait is bounded by ``collective_timeout`` (bounded.py, [Note: bounded waits]);
+* every collective carries a header identifying that position, checked on receipt
+  (collectives.py, [Note: in-band headers]), so ranks that issued different
+  collectives fail at the first one, on every rank;
+* a failing rank publishes its position in the store and collects the others'
+  (diagnosis.py, [Note: failure reports]); its :class:`CollectiveError` names every
+  rank's position, the timeout that fired (ours or the process group's) and, when the
+  reports show it, a collective API called on some ranks only.  A communicator that
+  failed refuses further collectives (gloo may still hold the abandoned one).
+
+(NCCL waits are not host-blocking; there the process group's own timeout and watchdog
+apply, and collectives carry no header.)  With ``check_call_order`` every collective is
+preceded by a tiny exchange of positions, which stops the first divergent call on
+every rank before any mismatched collective is issued - even one whose size differs,
+which gloo would otherwise answer by aborting a process.
 """
 from __future__ import annotations
 
 import atexit
-import datetime
 import gc
-import json
-import time
+import os
+import pickle
 import weakref
 import zlib
 from collections import defaultdict, deque
@@ -39,11 +47,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-# torch >= 2.10 renamed the tensor collectives; keep working on older releases.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from . import collectives as C
+from .bounded import PeerFailed, WaitTimeout, wait_work
+from .diagnosis import CollectiveError, Reports, build_error, current_api, describe, report_window
 
 BULK_KINDS = ("reduce_scatter", "all_gather", "all_reduce")
+
+# Set to "0" to issue collectives without in-band headers (to measure what they cost).
+HEADERS_ENV = "ZERO_STRATEGY_COLLECTIVE_HEADERS"
 
 
 @dataclass
@@ -79,23 +90,23 @@ class CommReport:
         return self.kinds.get(kind, _Tally())
 
 
-class CollectiveError(RuntimeError):
-    """A ZeRO collective timed out or failed; the message says where every rank was."""
-
-
 class _TimedWork:
-    """A Work handle whose ``wait`` is bounded and explained (see [Note: no silent hangs])."""
+    """A collective in flight whose ``wait`` is bounded, checked and explained
+    (see [Note: no silent hangs]); waiting twice is harmless."""
 
-    __slots__ = ("work", "comm", "position")
+    __slots__ = ("pending", "comm", "position", "done")
 
-    def __init__(self, work, comm: "Communicator", position) -> None:
-        self.work, self.comm, self.position = work, comm, position
+    def __init__(self, pending: C.Pending, comm: "Communicator", position) -> None:
+        self.pending, self.comm, self.position, self.done = pending, comm, position, False
 
     def wait(self) -> bool:
-        return self.comm._wait(self.work, self.position)
+        if not self.done:
+            self.comm._wait(self.pending, self.position)
+            self.done = True
+        return True
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return self.done or self.pending.work.is_completed()
 
 
 class _DoneWork:
@@ -109,6 +120,7 @@ class _DoneWork:
 
 
 _LIVE_COMMUNICATORS: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+_GENERATIONS: Dict[str, int] = defaultdict(int)  # communicators built per process group
 
 
 @atexit.register
@@ -133,6 +145,13 @@ def _shut_down_cleanly() -> None:
     gc.collect()
 
 
+def _process_group_timeout(group) -> Optional[float]:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - private API; only used in messages
+        return None
+
+
 class Communicator:
     """Owns the process group handle and the traffic tally. Never decides *when* to talk."""
 
@@ -152,7 +171,8 @@ class Communicator:
         # while the interpreter is shutting down, the process aborts.  So the main
         # thread keeps the last few handles and releases each one only after several
         # newer collectives were issued, long after its worker let go of it.  Only a
-        # few are kept because a handle also keeps its buffers alive.
+        # few are kept because a handle also keeps its buffers alive (header staging
+        # buffers are freed when their collective finishes).
         self._recent_works: deque = deque(maxlen=4)
         _LIVE_COMMUNICATORS.add(self)
         self.timeout: Optional[float] = None  # seconds; None = the process group's own
@@ -161,30 +181,55 @@ class Communicator:
         self._call = 0
         self.position: Optional[Tuple[int, int, str, str]] = None  # (step, call, kind, label)
         self._labels: Dict[int, str] = {}
-        self._blocking_waits = process_group is not None and dist.get_backend(process_group) == "gloo"
+        self._failed: Optional[str] = None
+        backend = dist.get_backend(process_group) if process_group is not None else None
+        self._gloo = backend == "gloo" and self.world_size > 1
+        self._nccl = backend == "nccl"
+        self.headers = self._gloo and os.environ.get(HEADERS_ENV, "1") != "0"
+        self.pg_timeout = _process_group_timeout(process_group) if self._gloo else None
+        self._reports: Optional[Reports] = None
+        if self._gloo:
+            name = getattr(process_group, "group_name", None) or "world"
+            _GENERATIONS[name] += 1
+            self._namespace = f"zero_strategy/{name}/{_GENERATIONS[name]}"
+            self._global_ranks = dist.get_process_group_ranks(process_group)
 
     def configure(self, timeout: Optional[float], check_order: bool) -> None:
         self.timeout = timeout
         self.check_order = check_order
+        if self._gloo:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001 - no store: reports are skipped, waits stay bounded
+                store = None
+            self._reports = Reports(store, self._namespace, timeout)
 
     def start_step(self, step: int) -> None:
         """Positions are numbered within a step, so they can be compared across ranks."""
         self.step, self._call = step, 0
 
-    # -- positions, timeouts, diagnosis ------------------------------------------------------
-    def _enter(self, kind: str, label: str):
+    # -- positions, waits, diagnosis ---------------------------------------------------------
+    def _enter(self, kind: str, label: str, tensor: Optional[torch.Tensor] = None, numel: int = 0):
+        """Record the position of the next collective; return it and the identity its
+        header carries (None when collectives carry no header)."""
+        if self._failed is not None:
+            raise CollectiveError(
+                f"an earlier ZeRO collective failed on this rank ({self._failed}), so no further collective is "
+                f"issued (gloo may still hold the failed one); was about to issue {kind} for {label}. Restart from "
+                "the last checkpoint."
+            )
         self._call += 1
         self.position = (self.step, self._call, kind, label)
         if self.check_order and self.world_size > 1:
             self._check_same_position()
-        return self.position
+        if not self.headers:
+            return self.position, None
+        text = f"{kind} for {label}"
+        ident = C.Identity.of(self.step, self._call, text, tensor.dtype if tensor is not None else torch.int64, numel)
+        self._labels[ident.text_code] = text
+        return self.position, ident
 
-    @staticmethod
-    def _describe(position) -> str:
-        if position is None:
-            return "no ZeRO collective yet"
-        step, call, kind, label = position
-        return f"{kind} for {label} (collective #{call} of step {step})"
+    _describe = staticmethod(describe)
 
     def _check_same_position(self) -> None:
         step, call, kind, label = self.position
@@ -193,7 +238,7 @@ class Communicator:
         self._labels[code] = text
         mine = torch.tensor([step, call, code], dtype=torch.int64, device=self._control_device())
         everyone = torch.empty(self.world_size * 3, dtype=torch.int64, device=mine.device)
-        self._wait(_all_gather(everyone, mine, group=self.group, async_op=True), self.position)
+        self._wait(C.all_gather(everyone, mine, self.group, self.world_size, None), self.position)
         rows = everyone.view(self.world_size, 3).tolist()
         if all(r == rows[0] for r in rows):
             return
@@ -210,64 +255,75 @@ class Communicator:
         )
 
     def _control_device(self) -> torch.device:
-        if self.group is not None and dist.get_backend(self.group) == "nccl":
+        if self._nccl:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _wait(self, work, position) -> bool:
-        try:
-            if self.timeout is not None and self._blocking_waits:
-                return work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-            return work.wait()
-        except CollectiveError:
-            raise
-        except RuntimeError as exc:
-            raise self._failure(exc, position) from exc
+    def _peer_failed(self) -> bool:
+        return self._reports is not None and self._reports.any_failure()
 
-    def _failure(self, exc: BaseException, position) -> CollectiveError:
-        """Publish this rank's position, collect the others' (bounded), build the error."""
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else [0]
-        me = ranks[self.rank]
-        peers: Dict[int, Optional[str]] = {r: None for r in ranks}
-        peers[me] = self._describe(position)
-        store = None
+    def _wait(self, pending: C.Pending, position) -> bool:
         try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(f"zero_strategy/failure/{me}", json.dumps(peers[me]))
-            deadline = time.monotonic() + (self.timeout if self.timeout is not None else 30.0)
-            while time.monotonic() < deadline and any(v is None for v in peers.values()):
-                for r in ranks:
-                    key = f"zero_strategy/failure/{r}"
-                    if peers[r] is None and store.check([key]):
-                        peers[r] = json.loads(store.get(key).decode())
-                if any(v is None for v in peers.values()):
-                    time.sleep(0.2)
-        except Exception:  # noqa: BLE001 - the store may have died with rank 0
-            pass
-        silent = [r for r, v in peers.items() if v is None]
-        lines = [f"  rank {r}: {v}" for r, v in peers.items() if v is not None]
-        if silent:
-            lines.append(
-                f"  rank(s) {silent}: no answer - exited (killed, crashed) or blocked outside "
-                "zero_strategy's collectives"
-            )
-        what = "timed out" if "timed out" in str(exc).lower() else "failed"
-        after = f" after {self.timeout:g} s (ZeroConfig.collective_timeout)" if what == "timed out" and self.timeout else ""
-        diverged = (
-            "ranks that run different modules or a different number of steps issue different "
-            "collectives (set check_call_order=True to stop at the first divergent call with every "
-            "rank's module named)"
-        )
-        hint = (
-            f"rank(s) {silent} did not answer: killed or crashed (gloo also aborts a process whose "
-            f"collectives do not match its peers'). If a rank died, restart from the last checkpoint; else {diverged}"
-            if silent
-            else f"the ranks are out of step: {diverged}"
-        )
-        return CollectiveError(
-            f"ZeRO collective {what}{after} on rank {me} while waiting in {self._describe(position)}: "
-            f"{hint}.\nWhere each rank was:\n" + "\n".join(lines) + f"\n(underlying error: {exc})"
-        )
+            if self._gloo and self.timeout is not None:
+                wait_work(pending.work, self.timeout, self._peer_failed)
+            else:
+                pending.work.wait()
+        except WaitTimeout:
+            raise self._failure("timeout", position) from None
+        except PeerFailed:
+            raise self._failure("peer", position) from None
+        except RuntimeError as exc:
+            reason = "pg_timeout" if "timed out" in str(exc).lower() else "error"
+            raise self._failure(reason, position, exc) from exc
+        mismatch = pending.finish()
+        if mismatch is not None:
+            raise self._failure("mismatch", position, mismatch=mismatch)
+        return True
+
+    def _decode(self, what: int, where: int) -> str:
+        ident = C.Identity(what, where)
+        if what == 0 and where == 0:
+            return "no header: it sent a different amount of data (another collective, or another size)"
+        text = self._labels.get(ident.text_code)
+        text = text if text is not None else f"<a collective this rank has not issued, fingerprint {ident.text_code:08x}>"
+        return f"{text} (collective #{ident.call} of step {ident.step})"
+
+    _WHY = {"timeout": "timed out", "pg_timeout": "the process group's timeout fired", "error": "failed",
+            "mismatch": "diverged", "peer": "stopped: another rank failed"}
+
+    def _failure(self, reason: str, position, exc: Optional[BaseException] = None,
+                 mismatch: Optional[C.Mismatch] = None) -> CollectiveError:
+        """Publish this rank's position, collect the others' (bounded), build the error."""
+        ranks = self._global_ranks if self._gloo else list(range(self.world_size))
+        me = ranks[self.rank]
+        mine = {"position": describe(position), "api": current_api(), "why": self._WHY.get(reason, reason)}
+        reports: Dict[int, Optional[dict]] = {r: None for r in ranks}
+        reports[me] = mine
+        store_ok = True
+        if self._reports is not None:
+            store_ok = self._reports.publish(me, mine)
+            if store_ok:
+                got = self._reports.collect([r for r in ranks if r != me], report_window(self.timeout))
+                reports.update({r: v for r, v in got.items() if v is not None})
+                store_ok = not self._reports.store.dead
+        mismatch_lines = None
+        if mismatch is not None:
+            if mismatch.peers is not None:
+                mismatch_lines = [
+                    f"  {'the source rank' if r < 0 else f'rank {ranks[r]}'}: {self._decode(*got)}"
+                    for r, got in mismatch.peers
+                ]
+                # A rank whose report did not arrive is still named by its header.
+                for r, got in mismatch.peers:
+                    if r >= 0 and reports.get(ranks[r]) is None and got != (0, 0):
+                        reports[ranks[r]] = {"position": self._decode(*got), "api": None, "why": "from its header"}
+            else:
+                mismatch_lines = [f"  {mismatch.detail}"]
+        err = build_error(me=me, ranks=ranks, mine=mine, reason=reason, position=position, timeout=self.timeout,
+                          pg_timeout=self.pg_timeout, reports=dict(sorted(reports.items())), store_ok=store_ok,
+                          exc=exc, mismatch_lines=mismatch_lines)
+        self._failed = f"{self._WHY.get(reason, reason)} in {describe(position)}"
+        return err
 
     # -- accounting --------------------------------------------------------------------
     def _count(self, kind: str, numel: int, element_size: int) -> None:
@@ -282,14 +338,10 @@ class Communicator:
     def reset(self) -> None:
         self._tally.clear()
 
-    def _keep(self, work):
-        if not isinstance(work, _DoneWork):
-            self._recent_works.append(work)
-        return work
-
     # -- collectives ----------------------------------------------------------------------
-    def _issue(self, work, position, async_op: bool):
-        timed = _TimedWork(self._keep(work), self, position)
+    def _issue(self, pending: C.Pending, position, async_op: bool):
+        self._recent_works.append(pending.work)
+        timed = _TimedWork(pending, self, position)
         if not async_op:
             timed.wait()
         return timed
@@ -300,8 +352,8 @@ class Communicator:
         if self.world_size == 1:
             shard_out.copy_(full_in)
             return _DoneWork()
-        position = self._enter("reduce_scatter", label)
-        return self._issue(_reduce_scatter(shard_out, full_in, group=self.group, async_op=True), position, async_op)
+        position, ident = self._enter("reduce_scatter", label, full_in, full_in.numel())
+        return self._issue(C.reduce_scatter(shard_out, full_in, self.group, self.world_size, ident, via_all_reduce=self._gloo), position, async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True, label: str = "parameters"):
         """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order)."""
@@ -310,24 +362,33 @@ class Communicator:
             if full_out.data_ptr() != shard_in.data_ptr():
                 full_out.copy_(shard_in)
             return _DoneWork()
-        position = self._enter("all_gather", label)
-        return self._issue(_all_gather(full_out, shard_in, group=self.group, async_op=True), position, async_op)
+        position, ident = self._enter("all_gather", label, shard_in, shard_in.numel())
+        return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident), position, async_op)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, label: str = "gradients"):
         """Sum ``tensor`` in place over ranks (gradient all-reduce of stage 0)."""
         self._count("all_reduce", tensor.numel(), tensor.element_size())
         if self.world_size == 1:
             return _DoneWork()
-        position = self._enter("all_reduce", label)
-        return self._issue(dist.all_reduce(tensor, group=self.group, async_op=True), position, async_op)
+        position, ident = self._enter("all_reduce", label, tensor, tensor.numel())
+        return self._issue(C.all_reduce(tensor, self.group, self.world_size, ident), position, async_op)
 
     def control_all_reduce(self, tensor: torch.Tensor, op: str = "sum", label: str = "a control value") -> torch.Tensor:
-        """Small synchronous reductions (overflow flags, norms): counted as ``control``."""
+        """Small synchronous reductions (overflow flags, norms): counted as ``control``.
+        With headers they are an all-gather reduced locally, in rank order."""
         self._count("control", tensor.numel(), tensor.element_size())
-        if self.world_size > 1:
+        if self.world_size == 1:
+            return tensor
+        position, ident = self._enter("all_reduce", label, tensor, tensor.numel())
+        if ident is None:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            position = self._enter("all_reduce", label)
-            self._issue(dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True), position, False)
+            work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
+            self._issue(C.Pending(work), position, False)
+            return tensor
+        flat = tensor.detach().reshape(-1)
+        rows = torch.empty(self.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+        self._issue(C.all_gather(rows, flat, self.group, self.world_size, ident), position, False)
+        tensor.copy_(C.reduce_gathered(rows.view(self.world_size, -1), op).view_as(tensor))
         return tensor
 
     def all_gather_for_state(self, full_out: torch.Tensor, shard_in: torch.Tensor, label: str = "a state dict") -> None:
@@ -336,27 +397,50 @@ class Communicator:
         if self.world_size == 1:
             full_out.copy_(shard_in)
         else:
-            position = self._enter("all_gather", label)
-            self._issue(_all_gather(full_out, shard_in, group=self.group, async_op=True), position, False)
+            position, ident = self._enter("all_gather", label, shard_in, shard_in.numel())
+            self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident), position, False)
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str = "parameters") -> None:
         """Synchronous broadcast from group rank ``src`` (counted as ``broadcast``)."""
         self._count("broadcast", tensor.numel(), tensor.element_size())
         if self.world_size > 1:
-            position = self._enter("broadcast", label)
+            position, ident = self._enter("broadcast", label, tensor, tensor.numel())
             root = dist.get_global_rank(self.group, src)
-            self._issue(dist.broadcast(tensor, src=root, group=self.group, async_op=True), position, False)
+            pending = C.broadcast(tensor, root, self.rank == src, self.group, ident)
+            self._issue(pending, position, False)
 
     def all_gather_object(self, obj, label: str = "a report") -> list:
-        """Every rank's picklable ``obj``, in rank order (small diagnostics only)."""
+        """Every rank's picklable ``obj``, in rank order (small diagnostics only; what
+        ``dist.all_gather_object`` does, from the ranks of this job).  Two bounded,
+        headed all-gathers: the lengths, then the padded pickles."""
         if self.world_size == 1:
             return [obj]
-        self._enter("all_gather_object", label)
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self._control_device())
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=data.device)
+        mine = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
+        position, ident = self._enter("all_gather_object", f"the sizes of {label}", mine, 1)
+        self._issue(C.all_gather(sizes, mine, self.group, self.world_size, ident), position, False)
+        longest = int(sizes.max())
+        padded = torch.zeros(longest, dtype=torch.uint8, device=data.device)
+        padded[: data.numel()] = data
+        out = torch.empty(self.world_size * longest, dtype=torch.uint8, device=data.device)
+        position, ident = self._enter("all_gather_object", label, padded, longest)
+        self._issue(C.all_gather(out, padded, self.group, self.world_size, ident), position, False)
+        rows = out.view(self.world_size, longest).cpu()
+        return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
 
     def barrier(self, label: str = "a barrier") -> None:
-        if self.world_size > 1:
-            position = self._enter("barrier", label)
-            self._issue(dist.barrier(group=self.group, async_op=True), position, False)
+        """With headers: an all-gather of nothing but the header (so a barrier is
+        identified like any other collective)."""
+        if self.world_size == 1:
+            return
+        empty = torch.empty(0, dtype=torch.int64, device=self._control_device())
+        position, ident = self._enter("barrier", label, empty, 0)
+        if ident is None:
+            self._issue(C.Pending(dist.barrier(group=self.group, async_op=True)), position, False)
+        else:
+            out = torch.empty(0, dtype=torch.int64, device=empty.device)
+            self._issue(C.all_gather(out, empty, self.group, self.world_size, ident), position, False)
+
+
+__all__: List[str] = ["Communicator", "CommReport", "CollectiveError"]

@@ -1,0 +1,288 @@
+"""The collectives themselves, as plain functions, with in-band headers.
+
+[Note: in-band headers]
+Each bulk collective on gloo carries what identifies it: a few elements appended to
+its buffer hold a fingerprint of the position that issued it (step, call number, kind,
+label such as the module, dtype and size).  After the wait every rank checks what it
+received, so when the ranks issued different collectives (a module run on some ranks
+only) the first divergent one fails on every rank, with no extra collective and no
+extra host synchronisation.
+
+* all-gather, broadcast (and the small control collectives built on all-gather): each
+  rank's chunk ends with its own 16-byte header, written and read as raw bytes (the
+  collective moves bytes untouched), so each rank learns exactly which peers issued
+  something else.
+* reduce-scatter (on gloo carried out as an all-reduce, see :func:`reduce_scatter`),
+  all-reduce: the header is summed with the payload, so it cannot be compared as bytes.  Each chunk ends with 32 elements, the bits (0 or 1) of a 32-bit
+  digest of the position; the received sums must be N times this rank's own bits.
+  They are unless every rank had the same digest, as long as the sums are exact
+  integers in the buffer's dtype (N <= 256 for bf16, 2048 for fp16, 2^24 for fp32);
+  beyond that the header is left out (:func:`bitsum_header_fits`).
+
+Receive-side header slots are pre-filled with values no header has (zero bytes,
+-1), so a peer that sent less data than expected (gloo accepts a short message
+silently) is caught too.  A peer that sent *more* than this rank posted is caught by
+gloo itself, which aborts the receiving process (``op.preamble.length <= op.nbytes``):
+no Python code can intercept that, so mismatched sizes end with that process gone and
+the others reporting it (see docs/reliability.md).
+
+The headers cost a staging copy of each buffer (the payload cannot be followed in
+place by a header); the staging storage is released as soon as each collective
+finishes.  The communicator counts the payload only (comm_report, 2Ψ / 3Ψ).
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.10 renamed the tensor collectives; keep working on older releases.
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+HEADER_BYTES = 16  # two int64: the identity of the call and (step, call number)
+DIGEST_BITS = 32  # elements of a summed header
+
+# The largest N for which sums of N zeros and ones are exact in the dtype.
+_EXACT_COUNT = {
+    torch.bfloat16: 2**8,
+    torch.float16: 2**11,
+    torch.float32: 2**24,
+    torch.float64: 2**53,
+}
+
+
+def _signed64(value: int) -> int:
+    return struct.unpack("<q", struct.pack("<Q", value & 0xFFFFFFFFFFFFFFFF))[0]
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What identifies one collective call, as the header carries it."""
+
+    what: int  # crc32("kind for label") << 32 | crc32("dtype:numel")
+    where: int  # step << 32 | call number
+
+    @classmethod
+    def of(cls, step: int, call: int, text: str, dtype: torch.dtype, numel: int) -> "Identity":
+        high = zlib.crc32(text.encode())  # stable across processes, unlike hash()
+        low = zlib.crc32(f"{dtype}:{numel}".encode())
+        return cls(_signed64(high << 32 | low), _signed64((step & 0x7FFFFFFF) << 32 | (call & 0xFFFFFFFF)))
+
+    @property
+    def text_code(self) -> int:
+        return (self.what >> 32) & 0xFFFFFFFF
+
+    @property
+    def size_code(self) -> int:
+        return self.what & 0xFFFFFFFF
+
+    @property
+    def step(self) -> int:
+        return (self.where >> 32) & 0x7FFFFFFF
+
+    @property
+    def call(self) -> int:
+        return self.where & 0xFFFFFFFF
+
+    def raw(self, device) -> torch.Tensor:
+        return torch.tensor([self.what, self.where], dtype=torch.int64).view(torch.uint8).to(device)
+
+    def digest(self) -> int:
+        return zlib.crc32(struct.pack("<qq", self.what, self.where)) or 1
+
+
+def header_elements(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` that hold a raw header."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return -(-HEADER_BYTES // size)
+
+
+def bitsum_header_fits(dtype: torch.dtype, world_size: int) -> bool:
+    return world_size <= _EXACT_COUNT.get(dtype, 0) or (not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool)
+
+
+def _bits(digest: int, dtype, device) -> torch.Tensor:
+    return torch.tensor([(digest >> i) & 1 for i in range(DIGEST_BITS)], dtype=dtype, device=device)
+
+
+def _write_raw(dest: torch.Tensor, ident: Identity) -> None:
+    dest.view(torch.uint8)[:HEADER_BYTES].copy_(ident.raw(dest.device))
+
+
+def _read_raw(rows: torch.Tensor) -> List[Tuple[int, int]]:
+    """(what, where) of each row of header elements."""
+    raw = rows.clone().view(torch.uint8)[:, :HEADER_BYTES].clone().view(torch.int64)  # fresh, aligned storage
+    return [tuple(r) for r in raw.tolist()]
+
+
+def _release(*tensors: torch.Tensor) -> None:
+    # The communicator keeps recent work handles (and so their buffers) alive for a
+    # while (see comm.py, [Note: keeping recent work handles]): give the memory back now.
+    for t in tensors:
+        t.untyped_storage().resize_(0)
+
+
+@dataclass
+class Mismatch:
+    """What the received headers said when they did not match this rank's own."""
+
+    mine: Identity
+    peers: Optional[List[Tuple[int, Tuple[int, int]]]]  # (rank, (what, where)) of each differing rank; None when summed
+    detail: str
+
+
+class Pending:
+    """A collective in flight: the backend's work handle, and what to do once it has
+    completed (check the headers, copy the payload out, free the staging)."""
+
+    __slots__ = ("work", "_finish")
+
+    def __init__(self, work, finish: Optional[Callable[[], Optional[Mismatch]]] = None) -> None:
+        self.work = work
+        self._finish = finish
+
+    def finish(self) -> Optional[Mismatch]:
+        f, self._finish = self._finish, None
+        return f() if f is not None else None
+
+
+# -- raw headers: each rank's chunk carries its own -------------------------------------------
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity]) -> Pending:
+    """Concatenate every rank's ``inp`` into ``out`` (rank order)."""
+    if ident is None:
+        return Pending(all_gather_tensor(out, inp, group=group, async_op=True))
+    n = inp.numel()
+    h = header_elements(inp.dtype)
+    send = torch.empty(n + h, dtype=inp.dtype, device=inp.device)
+    send[:n].copy_(inp.reshape(-1))
+    _write_raw(send[n:], ident)
+    recv = torch.empty(world_size * (n + h), dtype=inp.dtype, device=inp.device)
+    rows = recv.view(world_size, n + h)
+    rows[:, n:].view(torch.uint8).zero_()
+    work = all_gather_tensor(recv, send, group=group, async_op=True)
+
+    def finish() -> Optional[Mismatch]:
+        got = _read_raw(rows[:, n:])
+        mine = (ident.what, ident.where)
+        bad = [(r, g) for r, g in enumerate(got) if g != mine]
+        if not bad:
+            if out.is_contiguous():
+                out.view(world_size, n).copy_(rows[:, :n])
+            else:
+                out.copy_(rows[:, :n].reshape(out.shape))
+        _release(send, recv)
+        return Mismatch(ident, bad, "") if bad else None
+
+    return Pending(work, finish)
+
+
+def broadcast(tensor: torch.Tensor, src_global: int, is_src: bool, group, ident: Optional[Identity]) -> Pending:
+    """``tensor`` from the source rank on every rank (in place)."""
+    if ident is None:
+        return Pending(dist.broadcast(tensor, src=src_global, group=group, async_op=True))
+    n = tensor.numel()
+    h = header_elements(tensor.dtype)
+    buf = torch.empty(n + h, dtype=tensor.dtype, device=tensor.device)
+    if is_src:
+        buf[:n].copy_(tensor.reshape(-1))
+        _write_raw(buf[n:], ident)
+    else:
+        buf[n:].view(torch.uint8).zero_()
+    work = dist.broadcast(buf, src=src_global, group=group, async_op=True)
+
+    def finish() -> Optional[Mismatch]:
+        bad = None
+        if not is_src:
+            got = _read_raw(buf[n:].view(1, h))[0]
+            if got != (ident.what, ident.where):
+                bad = Mismatch(ident, [(-1, got)], "the source rank's broadcast")
+            else:
+                tensor.copy_(buf[:n].view_as(tensor))
+        _release(buf)
+        return bad
+
+    return Pending(work, finish)
+
+
+# -- summed headers: the sums say whether every rank agreed ----------------------------------
+def _check_sums(got: torch.Tensor, expected: torch.Tensor, ident: Identity, world_size: int) -> Optional[Mismatch]:
+    if torch.equal(got, expected):
+        return None
+    counts = got.float().tolist()
+    return Mismatch(ident, None, f"the summed header of {world_size} ranks was {counts[:8]}..., not {world_size} x this rank's bits")
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity],
+                   via_all_reduce: bool = False) -> Pending:
+    """Sum ``inp`` over ranks; this rank receives its equal slice in ``out``.
+
+    ``via_all_reduce`` (gloo): gloo's reduce-scatter does its work inside ``wait()``
+    (``is_completed()`` stays False until then), so no deadline can bound it; it is
+    carried out as an all-reduce of a copy of ``inp``, of which this rank keeps its
+    slice, with the summed header at the end (measured: the same time as gloo's own
+    reduce-scatter, plus the copy)."""
+    if not via_all_reduce:
+        return Pending(reduce_scatter_tensor(out, inp, group=group, async_op=True))
+    s = out.numel()
+    rank = dist.get_rank(group)
+    with_header = ident is not None and bitsum_header_fits(inp.dtype, world_size)
+    h = DIGEST_BITS if with_header else 0
+    n = inp.numel()
+    buf = torch.empty(n + h, dtype=inp.dtype, device=inp.device)
+    buf[:n].copy_(inp.reshape(-1))
+    bits = None
+    if with_header:
+        bits = _bits(ident.digest(), inp.dtype, inp.device)
+        buf[n:].copy_(bits)
+    work = dist.all_reduce(buf, group=group, async_op=True)
+
+    def finish() -> Optional[Mismatch]:
+        bad = _check_sums(buf[n:], bits * world_size, ident, world_size) if with_header else None
+        if bad is None:
+            out.copy_(buf[rank * s : (rank + 1) * s].view_as(out))
+        _release(buf)
+        return bad
+
+    return Pending(work, finish)
+
+
+def all_reduce(tensor: torch.Tensor, group, world_size: int, ident: Optional[Identity]) -> Pending:
+    """Sum ``tensor`` in place over ranks."""
+    if ident is None or not bitsum_header_fits(tensor.dtype, world_size):
+        return Pending(dist.all_reduce(tensor, group=group, async_op=True))
+    n = tensor.numel()
+    bits = _bits(ident.digest(), tensor.dtype, tensor.device)
+    buf = torch.empty(n + DIGEST_BITS, dtype=tensor.dtype, device=tensor.device)
+    buf[:n].copy_(tensor.reshape(-1))
+    buf[n:].copy_(bits)
+    work = dist.all_reduce(buf, group=group, async_op=True)
+
+    def finish() -> Optional[Mismatch]:
+        bad = _check_sums(buf[n:], bits * world_size, ident, world_size)
+        if bad is None:
+            tensor.copy_(buf[:n].view_as(tensor))
+        _release(buf)
+        return bad
+
+    return Pending(work, finish)
+
+
+def reduce_gathered(rows: torch.Tensor, op: str) -> torch.Tensor:
+    """The control reductions, done locally over every rank's gathered row (rank order,
+    so every rank computes bit-identical results)."""
+    if op == "sum":
+        return rows.sum(dim=0)
+    if op == "max":
+        return rows.amax(dim=0)
+    raise ValueError(f"unknown reduction {op!r}")
+
+
+__all__: Sequence[str] = [
+    "Identity", "Mismatch", "Pending", "all_gather", "all_reduce", "broadcast", "reduce_scatter",
+    "reduce_gathered", "header_elements", "bitsum_header_fits",
+]
