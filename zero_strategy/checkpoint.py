@@ -3,7 +3,8 @@
 [Note: checkpoint layout]
 A checkpoint is a directory::
 
-    manifest.json            written by rank 0, last: describes every tensor
+    .zero_strategy           written first: marks the directory as ours (checkpoint_files.py)
+    manifest.json            written by rank 0, last: describes every tensor and file
     rank00000.safetensors    one per rank: that rank's slices (values, fp32 master,
     rank00001.safetensors    per-element optimizer state) plus scalar optimizer state
     rank00000.json           per rank: RNG states and non-tensor optimizer state
@@ -19,46 +20,67 @@ with ``S = shard_numel``.  Loading at another world size or stage therefore only
 slice arithmetic: each rank reads, from the old shard files, exactly the ranges that
 overlap its new shard (safetensors reads slices without loading whole files).
 
-Atomicity: every rank writes into ``<dir>.tmp``; after a barrier rank 0 writes the
-manifest, then swaps the directory into place.  A process killed during a save
-leaves only the ``.tmp`` directory behind; the previous checkpoint is untouched.
+[Note: integrity]
+The manifest (format version 2) lists every file with its size and CRC-32, computed
+while the file streams out, and a random ``checkpoint_id`` of the save.  Each rank
+file's safetensors header (and its JSON sidecar) records its rank, the world size,
+the checkpoint id and the layout digest ([Note: layout digest] in
+checkpoint_manifest.py).  Loading validates the manifest's structure and arithmetic
+before opening anything else, then verifies every file (each by one rank, round robin)
+before the engine is touched: renamed, swapped, mixed-in, truncated or flipped files
+and edited layouts are CheckpointErrors naming the file, on every rank.
+
+Atomicity: every rank writes into ``<dir>.tmp`` (after rank 0 took ``<dir>.lock``);
+after every rank's files are complete rank 0 writes the manifest, then swaps the
+directory into place.  A process killed during a save leaves only the ``.tmp``
+directory behind; the previous checkpoint is untouched.  Each phase ends with an
+agreement of all ranks ([Note: every rank fails together] in checkpoint_sync.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import pickle
-import shutil
+import re
+import secrets
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .loss_scale import LossScaler
+from . import checkpoint_files as files
+from .checkpoint_files import CheckpointError
+from .checkpoint_manifest import FORMAT, FORMAT_VERSION, layout_digest, rank_file_names, validate
+from .checkpoint_sync import agree
 from .dtypes import dtype_from_name, dtype_name, precision_dtype
 from .safetensors_io import StreamingSafetensorsWriter
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+MANIFEST = files.MANIFEST
 CLIENT_STATE = "client_state.pt"
+SHARED = "shared.safetensors"
+CONFIG = "config.json"
+_KEY = re.compile(r"^unit(\d+)\.(value|optim\.(.+)|optim_scalar\.(.+))$")
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be used as asked; the message names the file."""
+__all__ = ["CheckpointError", "CheckpointReader", "FORMAT_VERSION", "consolidate", "load_checkpoint",
+           "load_client_state", "load_consolidated_state_dict", "save_checkpoint"]
 
 
 def _rank_file(d: Path, r: int, ext: str) -> Path:
     return d / f"rank{r:05d}.{ext}"
 
 
+def _as_path(directory) -> Path:
+    """An absolute path (not resolved through links), compared across ranks."""
+    return Path(os.path.abspath(os.fspath(directory)))
+
+
 # ----------------------------------------------------------------------------------------
 # save
 # ----------------------------------------------------------------------------------------
-def _manifest(engine) -> dict:
-    from . import __version__
-
-    cfg = engine.config
+def _layout(engine) -> Tuple[list, list]:
+    """The manifest's ``units`` and ``tensors``: where every parameter lives."""
     tensors, units = [], []
     for u in engine.units:
         units.append(
@@ -67,24 +89,31 @@ def _manifest(engine) -> dict:
         )
         for i, names in enumerate(u.names):
             tensors.append(
-                dict(names=list(names), shape=list(u.shapes[i]), dtype=dtype_name(u.orig_dtypes[i]),
+                dict(names=list(names), shape=[int(s) for s in u.shapes[i]], dtype=dtype_name(u.orig_dtypes[i]),
                      frozen=not u.trainable, unit=u.index, offset=u.layout.offsets[i], numel=u.layout.numels[i])
             )
     for name, p in engine.untouched.items():
         tied = [n for n, q in engine.module.named_parameters(remove_duplicate=False) if q is p]
-        tensors.append(dict(names=tied or [name], shape=list(p.shape), dtype=dtype_name(engine.orig_dtype_untouched[name]),
+        tensors.append(dict(names=tied or [name], shape=[int(s) for s in p.shape], dtype=dtype_name(engine.orig_dtype_untouched[name]),
                             frozen=True, unit=None, key=f"param.{name}"))
+    return units, tensors
+
+
+def _manifest(engine, units: list, tensors: list, checkpoint_id: str, table: dict) -> dict:
+    from . import __version__
+
+    cfg = engine.config
     groups = []
     if engine.inner_optimizer is not None:
         for g in engine.inner_optimizer.param_groups:
             groups.append({k: v for k, v in g.items() if k != "params" and _jsonable(v)})
     return dict(
-        format="zero_strategy.checkpoint", format_version=FORMAT_VERSION, library_version=__version__,
+        format=FORMAT, format_version=FORMAT_VERSION, library_version=__version__, checkpoint_id=checkpoint_id,
         world_size=engine.comm.world_size, stage=engine.policies.stage.stage, precision=cfg.precision, config=cfg.to_dict(),
         model_class=type(engine.module).__name__, tensors=tensors, units=units,
         buffers=_persistent_buffer_names(engine.module),
         optimizer=None if engine.inner_optimizer is None else dict(cls=type(engine.inner_optimizer).__name__, param_groups=groups),
-        loss_scaler=engine.scaler.state_dict(), step=engine.global_step,
+        loss_scaler=engine.scaler.state_dict(), step=engine.global_step, checksum="crc32", files=table,
     )
 
 
@@ -123,117 +152,274 @@ def _rank_payload(engine) -> Tuple[Dict[str, torch.Tensor], dict]:
     return tensors, extra
 
 
-def _write_rank_files(tmp: Path, rank: int, tensors: Dict[str, torch.Tensor], extra: dict) -> None:
-    writer = StreamingSafetensorsWriter(_rank_file(tmp, rank, "safetensors"), {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()})
+def _header_identity(kind: str, identity: dict) -> Dict[str, str]:
+    meta = {"format": "pt", "zero_strategy.file": kind, "zero_strategy.checkpoint_id": identity["checkpoint_id"],
+            "zero_strategy.world_size": str(identity["world_size"]), "zero_strategy.layout": identity["layout"]}
+    if kind == "rank":
+        meta["zero_strategy.rank"] = str(identity["rank"])
+    return meta
+
+
+def _write_safetensors(path: Path, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> dict:
+    writer = StreamingSafetensorsWriter(path, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()},
+                                        metadata=metadata, checksum=True)
     with writer:
         for k, v in tensors.items():
             writer.write(k, v)
-    _write_json(_rank_file(tmp, rank, "json"), extra)
+    return {"size": writer.size, "crc32": writer.crc32}
 
 
-def _write_json(path: Path, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _write_rank_files(tmp: Path, rank: int, tensors: Dict[str, torch.Tensor], extra: dict) -> Dict[str, dict]:
+    """This rank's two files; ``extra["identity"]`` says whose they are.  Returns their
+    ``{name: {"size", "crc32", "rank"}}`` records for the manifest."""
+    identity = extra["identity"]
+    st = _rank_file(tmp, rank, "safetensors")
+    records = {st.name: _write_safetensors(st, tensors, _header_identity("rank", identity))}
+    js = _rank_file(tmp, rank, "json")
+    records[js.name] = files.write_json(js, extra)
+    for r in records.values():
+        r["rank"] = rank
+    return records
 
 
-def _barrier(engine) -> None:
-    engine.comm.barrier()
+def _write_rank0_files(engine, tmp: Path, client_state: Optional[dict], identity: dict) -> Dict[str, dict]:
+    shared = {f"param.{n}": p.detach().cpu() for n, p in engine.untouched.items()}
+    persistent = set(_persistent_buffer_names(engine.module))
+    shared.update({f"buffer.{n}": b.detach().cpu() for n, b in engine.module.named_buffers() if n in persistent})
+    records = {SHARED: _write_safetensors(tmp / SHARED, shared, _header_identity("shared", identity))}
+    if client_state is not None:
+        with files.ChecksumFile(tmp / CLIENT_STATE) as f:
+            torch.save(client_state, f)
+        records[CLIENT_STATE] = f.record()
+    config = getattr(engine.module, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        try:
+            blob = json.dumps(config.to_dict()).encode()
+        except (TypeError, ValueError):
+            blob = None  # a config that is not JSON-serialisable is simply not copied
+        if blob is not None:
+            records[CONFIG] = files.write_bytes(tmp / CONFIG, blob)
+    return records
 
 
 def save_checkpoint(engine, directory, client_state: Optional[dict] = None) -> Path:
-    """Write ``directory`` atomically. Collective: every rank calls it with the same path."""
-    directory = Path(directory)
-    tmp = directory.with_name(directory.name + ".tmp")
-    rank = engine.comm.rank
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a save that was killed
-        tmp.mkdir(parents=True)
-    _barrier(engine)
-    tensors, extra = _rank_payload(engine)
-    _write_rank_files(tmp, rank, tensors, extra)
-    if rank == 0:
-        shared = {f"param.{n}": p.detach().cpu() for n, p in engine.untouched.items()}
-        persistent = set(_persistent_buffer_names(engine.module))
-        shared.update({f"buffer.{n}": b.detach().cpu() for n, b in engine.module.named_buffers() if n in persistent})
-        writer = StreamingSafetensorsWriter(tmp / "shared.safetensors", {k: (v.dtype, tuple(v.shape)) for k, v in shared.items()})
-        with writer:
-            for k, v in shared.items():
-                writer.write(k, v)
-        if client_state is not None:
-            with open(tmp / CLIENT_STATE, "wb") as f:
-                torch.save(client_state, f)
-                f.flush()
-                os.fsync(f.fileno())
-        config = getattr(engine.module, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
+    """Write ``directory`` atomically. Collective: every rank calls it with the same path.
+
+    Replaces ``directory`` only when it is a checkpoint this library wrote (or empty);
+    any error, on any rank, is raised on every rank (CheckpointError)."""
+    comm = engine.comm
+    rank, ws = comm.rank, comm.world_size
+    error, path, digest, units, tensors = None, None, "", [], []
+    try:
+        path = _as_path(directory)
+        units, tensors = _layout(engine)
+        digest = layout_digest(ws, units, tensors)
+    except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+        error = e
+    agree(comm, "save_checkpoint", error, same={"path": str(path), "model layout": digest})
+    what = f"save_checkpoint({path})"
+
+    lock, done = None, False
+    try:
+        # 1. rank 0: the lock, the target checked, a fresh .tmp; it proposes the id.
+        error, proposed = None, [0, 0]
+        if rank == 0:
             try:
-                _write_json(tmp / "config.json", config.to_dict())
-            except (TypeError, ValueError):
-                pass  # a config that is not JSON-serialisable is simply not copied
-    _barrier(engine)  # every rank's files are complete
-    if rank == 0:
-        _write_json(tmp / MANIFEST, _manifest(engine))
-        _swap_into_place(tmp, directory)
-    _barrier(engine)
-    return directory
+                lock = files.DirectoryLock.take(path, what)
+                files.prepare_target(path, files.KIND_CHECKPOINT, what)
+                files.new_tmp(path, files.KIND_CHECKPOINT)
+                proposed = [secrets.randbits(62), secrets.randbits(62)]
+            except Exception as e:  # noqa: BLE001
+                error = e
+        hi, lo = agree(comm, what, error, proposed=proposed)
+        identity = dict(rank=rank, world_size=ws, checkpoint_id=f"{hi:016x}{lo:016x}", layout=digest)
+        tmp = files.sibling(path, ".tmp")
 
+        # 2. every rank: its files.
+        error, records = None, {}
+        try:
+            payload, extra = _rank_payload(engine)
+            extra["identity"] = identity
+            records = dict(_write_rank_files(tmp, rank, payload, extra) or {})
+            if rank == 0:
+                records.update(_write_rank0_files(engine, tmp, client_state, identity))
+        except Exception as e:  # noqa: BLE001
+            error = e
+        agree(comm, what, error)
+        everyone = comm.all_gather_object(records, label=f"{what}: file checksums")
 
-def _swap_into_place(tmp: Path, directory: Path) -> None:
-    old = directory.with_name(directory.name + ".old")
-    if directory.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(directory, old)
-    os.rename(tmp, directory)
-    _fsync_dir(directory.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
+        # 3. rank 0: the manifest, then the swap; the lock is released before the
+        # ranks agree, so it is gone wherever save_checkpoint has returned.
+        error = None
+        if rank == 0:
+            try:
+                table = {}
+                for r in everyone:
+                    table.update(r)
+                files.write_json(tmp / MANIFEST, _manifest(engine, units, tensors, identity["checkpoint_id"], table))
+                files.finish_and_swap(tmp, path, files.KIND_CHECKPOINT)
+                done = True
+            except Exception as e:  # noqa: BLE001
+                error = e
+            finally:
+                if not done:
+                    files.discard_tmp(path)
+                lock.release()
+                lock = None
+        agree(comm, what, error)
     finally:
-        os.close(fd)
+        if lock is not None:
+            if not done:
+                files.discard_tmp(path)
+            lock.release()
+    return Path(directory)
 
 
 # ----------------------------------------------------------------------------------------
 # read
 # ----------------------------------------------------------------------------------------
 class CheckpointReader:
-    """Reads slices of a checkpoint directory, whatever world size wrote it."""
+    """Reads slices of a checkpoint directory, whatever world size wrote it.
+
+    The manifest is validated on construction; :meth:`verify` checks the files."""
 
     def __init__(self, directory) -> None:
-        directory = Path(directory)
-        if not directory.exists():
-            old = directory.with_name(directory.name + ".old")
-            if old.exists() and (old / MANIFEST).exists():
-                directory = old  # a save was interrupted between its two renames
-            else:
-                raise CheckpointError(f"checkpoint directory {directory} does not exist")
-        self.directory = directory
-        path = directory / MANIFEST
-        if not path.exists():
+        requested = Path(directory)
+        found = files.existing(requested)
+        if found is None:
+            raise CheckpointError(f"checkpoint directory {requested} does not exist")
+        self.directory = found  # ``<dir>.old`` when a save was interrupted between its two renames
+        path = found / MANIFEST
+        self.manifest_path = path
+        if not path.is_file():
             raise CheckpointError(f"{path} is missing: not a zero_strategy checkpoint, or its save did not finish")
         try:
-            self.manifest = json.loads(path.read_text())
-        except ValueError as e:
+            self.manifest = json.loads(path.read_bytes())
+        except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise CheckpointError(f"{path} cannot be read ({e})") from None
+        validate(self.manifest, path)
         m = self.manifest
-        if m.get("format") != "zero_strategy.checkpoint":
-            raise CheckpointError(f"{path} is not a zero_strategy checkpoint manifest")
-        if m.get("format_version") != FORMAT_VERSION:
-            raise CheckpointError(f"{path} has format version {m.get('format_version')!r}; this library reads version {FORMAT_VERSION}")
+        self.version = m["format_version"]
         self.world = m["world_size"]
         self.units = {u["index"]: u for u in m["units"]}
+        self.digest = layout_digest(self.world, m["units"], m["tensors"])
+        self.table: Optional[dict] = m.get("files") if self.version >= 2 else None
         self._handles: Dict[str, object] = {}
+        if self.version < 2:
+            warnings.warn(
+                f"{path} is a format-version-{self.version} checkpoint: it has no checksums or file identities, so a "
+                "damaged or swapped file cannot be detected. Load it and save it again to upgrade it",
+                stacklevel=3,
+            )
+
+    # -- verification ------------------------------------------------------------------------
+    def data_files(self) -> List[str]:
+        """The files :meth:`verify` checks (client_state.pt is checked when it is read)."""
+        if self.table is not None:
+            return sorted(n for n in self.table if n != CLIENT_STATE)
+        return sorted(rank_file_names(self.world) + [SHARED])
+
+    def verify(self, rank: int = 0, world: int = 1) -> None:
+        """Check this reader's share of the files (size, identity, CRC-32, structure):
+        old rank ``k``'s files by rank ``k % world`` (at the same world size every rank
+        checks the files it reads most), the others from the last rank down."""
+        others = 0
+        for name in self.data_files():
+            match = re.match(r"rank(\d{5})\.", name)
+            if match is not None:
+                owner = int(match.group(1)) % world
+            else:
+                owner = (world - 1 - others) % world
+                others += 1
+            if owner == rank:
+                self.verify_file(name)
+
+    def verify_file(self, name: str) -> None:
+        path = self.directory / name
+        checks = {SHARED: self._check_shared, CONFIG: lambda p: None}
+        match = re.fullmatch(r"rank(\d{5})\.(safetensors|json)", name)
+        if match is not None:
+            r = int(match.group(1))
+            check = (lambda p: self._check_rank_tensors(p, r)) if match.group(2) == "safetensors" else (lambda p: self._check_rank_json(p, r))
+        else:
+            check = checks[name]
+        if self.table is not None:
+            files.verify_file(path, self.table[name], identity=lambda: check(path))
+        else:
+            if not path.exists():
+                raise CheckpointError(f"{path} is missing from the checkpoint (world size {self.world} needs one file per rank)")
+            check(path)
+
+    def _identity(self, path: Path, meta: Dict[str, str], kind: str, rank: Optional[int] = None) -> None:
+        if self.table is None:
+            return
+        cid = self.manifest["checkpoint_id"]
+        if meta.get("zero_strategy.file") != kind:
+            raise CheckpointError(f"{path} is not a zero_strategy {kind} file (its header has no matching identity)")
+        if meta.get("zero_strategy.checkpoint_id") != cid:
+            raise CheckpointError(
+                f"{path} belongs to another save (checkpoint id {meta.get('zero_strategy.checkpoint_id')}, the manifest's "
+                f"is {cid}): files of different checkpoints were mixed"
+            )
+        if rank is not None and meta.get("zero_strategy.rank") != str(rank):
+            raise CheckpointError(
+                f"{path} holds rank {meta.get('zero_strategy.rank')}'s shard, not rank {rank}'s: rank files were renamed or swapped"
+            )
+        if meta.get("zero_strategy.world_size") != str(self.world):
+            raise CheckpointError(f"{path} was written at world size {meta.get('zero_strategy.world_size')}, the manifest says {self.world}")
+        if meta.get("zero_strategy.layout") != self.digest:
+            raise CheckpointError(
+                f"{self.manifest_path} does not describe {path.name}: the tensor layout in the manifest (units, offsets, shapes, "
+                "tensor locations) differs from the one the file was written with, so the manifest was edited or damaged"
+            )
+
+    def _check_rank_tensors(self, path: Path, rank: int) -> None:
+        f = self._open(path)
+        self._identity(path, _metadata(f), "rank", rank)
+        seen = set()
+        for key in f.keys():
+            match = _KEY.match(key)
+            if match is None or int(match.group(1)) not in self.units:
+                raise CheckpointError(f"{path} holds {key!r}, which the manifest's units do not explain")
+            index = int(match.group(1))
+            shape = _shape(f, key, path)
+            if match.group(4) is None and shape != [self.units[index]["shard_numel"]]:
+                raise CheckpointError(
+                    f"{path}: {key} has shape {shape} but unit {index}'s shards hold {self.units[index]['shard_numel']} elements"
+                )
+            if match.group(2) == "value":
+                seen.add(index)
+        missing = sorted(set(self.units) - seen)
+        if missing:
+            raise CheckpointError(f"{path} has no values for unit(s) {missing[:5]}")
+
+    def _check_rank_json(self, path: Path, rank: int) -> None:
+        rj = self.rank_json(rank)
+        if self.table is not None:
+            ident = rj.get("identity")
+            if not isinstance(ident, dict):
+                raise CheckpointError(f"{path} has no identity: not a file of this checkpoint")
+            meta = {"zero_strategy.file": "rank", **{f"zero_strategy.{k}": str(v) for k, v in ident.items()}}
+            self._identity(path, meta, "rank", rank)
+
+    def _check_shared(self, path: Path) -> None:
+        f = self._open(path)
+        self._identity(path, _metadata(f), "shared")
+        keys = set(f.keys())
+        for entry in self.manifest["tensors"]:
+            if entry["unit"] is None:
+                if entry["key"] not in keys:
+                    raise CheckpointError(f"{path} has no {entry['key']!r}, which the manifest places there")
+                n = 1
+                for s in _shape(f, entry["key"], path):
+                    n *= s
+                if list(entry["shape"]) and n != _numel(entry["shape"]):
+                    raise CheckpointError(f"{path}: {entry['key']} holds {n} elements, the manifest says shape {entry['shape']}")
+        for b in self.manifest.get("buffers", []):
+            if f"buffer.{b}" not in keys:
+                raise CheckpointError(f"{path} has no buffer {b!r}, which the manifest lists")
 
     # -- files ---------------------------------------------------------------------------
     def _open(self, path: Path):
@@ -262,26 +448,53 @@ class CheckpointReader:
 
     def rank_json(self, rank: int) -> dict:
         path = _rank_file(self.directory, rank, "json")
-        if not path.exists():
-            raise CheckpointError(f"{path} is missing from the checkpoint")
-        return json.loads(path.read_text())
+        try:
+            rj = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing from the checkpoint") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e})") from None
+        except OSError as e:
+            raise CheckpointError(f"{path} cannot be read ({e})") from None
+        if not isinstance(rj, dict):
+            raise CheckpointError(f"{path} must hold an object, got {type(rj).__name__}")
+        rng = rj.get("rng_cpu", [])
+        if not isinstance(rng, list) or not all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in rng):
+            raise CheckpointError(f"{path}: rng_cpu must be a list of bytes")
+        cuda = rj.get("rng_cuda", [])
+        if not isinstance(cuda, list) or not all(isinstance(s, list) and all(isinstance(b, int) and 0 <= b < 256 for b in s) for s in cuda):
+            raise CheckpointError(f"{path}: rng_cuda must be lists of bytes")
+        scalars = rj.get("optimizer_scalars", {})
+        if not isinstance(scalars, dict) or not all(re.fullmatch(r"\d+\..+", k) for k in scalars):
+            raise CheckpointError(f"{path}: optimizer_scalars must map '<unit>.<key>' to values")
+        return rj
 
     def shared(self, key: str) -> torch.Tensor:
-        return self._open(self.directory / "shared.safetensors").get_tensor(key)
+        path = self.directory / SHARED
+        f = self._open(path)
+        try:
+            return f.get_tensor(key)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path}: cannot read {key} ({e})") from None
 
     # -- flat ranges -------------------------------------------------------------------------
     def read_unit_range(self, unit_index: int, suffix: str, start: int, length: int) -> torch.Tensor:
         """Elements ``[start, start+length)`` of an old unit's flat space, gathered from
-        whichever old rank files hold them."""
+        whichever old rank files hold them (the manifest was validated: every unit has
+        ``shard_numel >= 1`` and ``world`` shards, so this loop ends)."""
         u = self.units[unit_index]
         s = u["shard_numel"]
+        if start < 0 or start + length > s * u["world"]:
+            raise CheckpointError(f"{self.manifest_path}: unit {unit_index} has no elements [{start}, {start + length})")
         pieces, pos, end = [], start, start + length
         while pos < end:
-            r = pos // s if u["world"] > 1 else 0
+            r = pos // s
             lo = pos - r * s
             take = min(end - pos, s - lo)
             pieces.append(self._rank_tensor_slice(r, f"unit{unit_index}.{suffix}", lo, lo + take))
             pos += take
+        if not pieces:
+            return torch.empty(0, dtype=torch.float32)
         return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
 
     def tensor(self, entry: dict, suffix: str = "value") -> torch.Tensor:
@@ -290,13 +503,75 @@ class CheckpointReader:
             return self.shared(entry["key"]).reshape(-1)
         return self.read_unit_range(entry["unit"], suffix, entry["offset"], entry["numel"])
 
+    def client_state(self, *, weights_only: Optional[bool] = True):
+        """The saved client state (None if there is none), verified against the manifest.
+
+        With restricted unpickling (the default), which runs no code whatever the file
+        holds, the file is read first so that a file holding other objects is refused as
+        such; otherwise its checksum is verified before it is unpickled."""
+        path = self.directory / CLIENT_STATE
+        record = None if self.table is None else self.table.get(CLIENT_STATE)
+        if self.table is not None and record is None:
+            if os.path.lexists(path):
+                raise CheckpointError(
+                    f"{path} is not part of this checkpoint (its manifest lists no client state): it was added after "
+                    "the save; remove it"
+                )
+            return None
+        if not path.exists():
+            if record is not None:
+                raise CheckpointError(f"{path} is missing from the checkpoint")
+            return None
+        restricted = weights_only is None or bool(weights_only)
+        if restricted:
+            client = load_client_state(path, weights_only=True)
+            if record is not None:
+                files.verify_file(path, record)
+            return client
+        if record is not None:
+            files.verify_file(path, record)
+        return load_client_state(path, weights_only=False)
+
     def close(self) -> None:
         self._handles.clear()
+
+
+def _metadata(f) -> Dict[str, str]:
+    try:
+        return dict(f.metadata() or {})
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _shape(f, key: str, path: Path) -> list:
+    try:
+        return list(f.get_slice(key).get_shape())
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: cannot read the header of {key} ({e})") from None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_prod = _numel
 
 
 # ----------------------------------------------------------------------------------------
 # load into an engine
 # ----------------------------------------------------------------------------------------
+@dataclass
+class _Plan:
+    reader: CheckpointReader
+    client: Optional[dict]
+    by_name: Dict[str, dict]
+    restore_optimizer: bool
+    old_rank_scalars: dict
+
+
 def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_only: Optional[bool] = True) -> Optional[dict]:
     """Restore ``engine`` from ``directory``; returns the saved ``client_state``.
 
@@ -304,36 +579,70 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_on
     ``allow_reshard`` is False, in which case a different world size is an error.
     ``client_state.pt`` is read with ``torch.load(weights_only=True)`` (tensors and
     plain containers only, no code runs) unless the caller passes
-    ``weights_only=False`` for a file it trusts; ``None`` means True."""
-    reader = CheckpointReader(directory)
-    client_path = reader.directory / CLIENT_STATE
-    # Read (and refuse) the caller's state before touching the engine, so a refused
-    # file leaves the model as it was.
-    client = load_client_state(client_path, weights_only=weights_only) if client_path.exists() else None
-    m = reader.manifest
+    ``weights_only=False`` for a file it trusts; ``None`` means True.
+
+    Everything is validated and verified before the engine is changed; an error on any
+    rank is raised on every rank."""
+    comm = engine.comm
+    error, path, plan = None, None, None
     try:
-        LossScaler().load_state_dict(m["loss_scaler"])
-    except (KeyError, ValueError) as e:
-        raise CheckpointError(f"{reader.directory / MANIFEST}: bad loss_scaler entry ({e})") from None
-    ws = engine.comm.world_size
-    if not allow_reshard and (m["world_size"] != ws or m["stage"] != engine.policies.stage.stage):
-        raise CheckpointError(
-            f"{reader.directory} was saved at world size {m['world_size']} / stage {m['stage']} but this run has "
-            f"world size {ws} / stage {engine.policies.stage.stage}; pass allow_reshard=True to reshard it on load"
-        )
-    by_name: Dict[str, dict] = {}
-    for entry in m["tensors"]:
-        for n in entry["names"]:
-            by_name[n] = entry
-    _check_model_matches(engine, reader, by_name)
+        path = _as_path(directory)
+        if comm.rank == 0:
+            files.clean_leftover_tmp(path)
+        plan = _plan_load(engine, path, allow_reshard, weights_only)
+    except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
+        error = e
+    agree(comm, "load_checkpoint", error, same={"path": str(path)})
+    error = None
+    try:
+        _apply(engine, plan)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    finally:
+        plan.reader.close()
+    agree(comm, f"load_checkpoint({path})", error)
+    return plan.client
 
+
+def _plan_load(engine, path: Path, allow_reshard: bool, weights_only) -> _Plan:
+    """Everything that can refuse the checkpoint, before the engine is touched."""
+    comm = engine.comm
+    reader = CheckpointReader(path)
+    try:
+        reader.verify(comm.rank, comm.world_size)
+        # Read (and refuse) the caller's state before touching the engine, so a refused
+        # file leaves the model as it was.
+        client = reader.client_state(weights_only=weights_only)
+        m = reader.manifest
+        ws = comm.world_size
+        if not allow_reshard and (m["world_size"] != ws or m["stage"] != engine.policies.stage.stage):
+            raise CheckpointError(
+                f"{reader.directory} was saved at world size {m['world_size']} / stage {m['stage']} but this run has "
+                f"world size {ws} / stage {engine.policies.stage.stage}; pass allow_reshard=True to reshard it on load"
+            )
+        by_name: Dict[str, dict] = {}
+        for entry in m["tensors"]:
+            for n in entry["names"]:
+                by_name[n] = entry
+        _check_model_matches(engine, reader, by_name)
+        opt = engine.inner_optimizer
+        old_optimizer = m.get("optimizer")
+        restore_optimizer = opt is not None and old_optimizer is not None
+        if restore_optimizer and old_optimizer["cls"] != type(opt).__name__:
+            raise CheckpointError(f"{reader.directory} holds {old_optimizer['cls']} state but the optimizer is {type(opt).__name__}")
+        old_rank_scalars = reader.rank_json(0).get("optimizer_scalars", {}) if restore_optimizer else {}
+        if m["world_size"] == ws:
+            reader.rank_json(comm.rank)  # validated now, applied later
+    except BaseException:
+        reader.close()
+        raise
+    return _Plan(reader, client, by_name, restore_optimizer, old_rank_scalars)
+
+
+def _apply(engine, plan: _Plan) -> None:
+    reader, by_name, m = plan.reader, plan.by_name, plan.reader.manifest
     opt = engine.inner_optimizer
-    old_optimizer = m.get("optimizer")
-    restore_optimizer = opt is not None and old_optimizer is not None
-    if restore_optimizer and old_optimizer["cls"] != type(opt).__name__:
-        raise CheckpointError(f"{reader.directory} holds {old_optimizer['cls']} state but the optimizer is {type(opt).__name__}")
-    old_rank_scalars = reader.rank_json(0).get("optimizer_scalars", {}) if restore_optimizer else {}
-
+    restore_optimizer = plan.restore_optimizer
     for u in engine.units:
         store = u.params_store
         for i, names in enumerate(u.names):  # values: whatever part of each tensor this rank keeps
@@ -355,7 +664,7 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_on
             if scalar_src is not None:
                 for key in _old_scalar_keys(reader, scalar_src):
                     st[key] = reader._rank_tensor_slice(0, f"unit{scalar_src}.optim_scalar.{key}", 0, 1).reshape(()).clone()
-                for k, v in old_rank_scalars.items():
+                for k, v in plan.old_rank_scalars.items():
                     idx, key = k.split(".", 1)
                     if int(idx) == scalar_src:
                         st[key] = v
@@ -369,19 +678,16 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_on
             if n in buffers:
                 buffers[n].copy_(reader.shared(f"buffer.{n}"))
     if restore_optimizer:
-        for group, saved in zip(opt.param_groups, old_optimizer["param_groups"]):
+        for group, saved in zip(opt.param_groups, m["optimizer"]["param_groups"]):
             group.update(saved)
-    engine.scaler.load_state_dict(m["loss_scaler"])  # validated above
+    engine.scaler.load_state_dict(m["loss_scaler"])  # validated with the manifest
     engine.global_step = m["step"]
     engine.zero_grad()
-    if m["world_size"] == ws:
+    if m["world_size"] == engine.comm.world_size:
         rj = reader.rank_json(engine.comm.rank)
         torch.set_rng_state(torch.tensor(rj["rng_cpu"], dtype=torch.uint8))
         if "rng_cuda" in rj and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in rj["rng_cuda"]])
-    reader.close()
-    engine.comm.barrier()
-    return client
 
 
 def load_client_state(path, *, weights_only: Optional[bool] = True):
@@ -460,17 +766,32 @@ def load_consolidated_state_dict(directory, dtype: Optional[torch.dtype] = None)
     """Every parameter and buffer, whole, on CPU (all names, tied ones included).
 
     Needs no process group; memory is the whole model, see :func:`consolidate` for the
-    bounded-memory file writer."""
+    bounded-memory file writer.  Every file is verified first."""
     reader = CheckpointReader(directory)
-    out: Dict[str, torch.Tensor] = {}
-    for entry in reader.manifest["tensors"]:
-        t = reader.tensor(entry).view(entry["shape"]).to(dtype or dtype_from_name(entry["dtype"]))
-        for n in entry["names"]:
-            out[n] = t
-    for n in reader.manifest.get("buffers", []):
-        out[n] = reader.shared(f"buffer.{n}")
-    reader.close()
+    try:
+        reader.verify()
+        out: Dict[str, torch.Tensor] = {}
+        for entry in reader.manifest["tensors"]:
+            t = reader.tensor(entry).view(entry["shape"]).to(dtype or dtype_from_name(entry["dtype"]))
+            for n in entry["names"]:
+                out[n] = t
+        for n in reader.manifest.get("buffers", []):
+            out[n] = reader.shared(f"buffer.{n}")
+    finally:
+        reader.close()
     return out
+
+
+def _refuse_overlap(requested: Path, checkpoint: Path, out: Path) -> None:
+    ck = {Path(os.path.realpath(requested)), Path(os.path.realpath(checkpoint))}
+    target = Path(os.path.realpath(out))
+    for c in ck:
+        if target == c or c in target.parents or target in c.parents:
+            where = "is" if target == c else ("lies inside" if c in target.parents else "contains")
+            raise CheckpointError(
+                f"consolidate refused: the output directory {out} {where} the checkpoint {requested}, and writing it "
+                "would replace the sharded checkpoint. Choose an output directory outside the checkpoint; nothing was changed"
+            )
 
 
 def consolidate(directory, output_dir, dtype: Optional[str] = None, max_shard_bytes: int = 2 * 1024**3) -> List[Path]:
@@ -478,13 +799,39 @@ def consolidate(directory, output_dir, dtype: Optional[str] = None, max_shard_by
     when the checkpoint has one) that ``from_pretrained`` / ``load_state_dict`` read.
 
     Memory stays bounded by the largest tensor: each output file's header is computed
-    from the manifest first and tensors are streamed into it one at a time."""
-    reader = CheckpointReader(directory)
-    output_dir = Path(output_dir)
+    from the manifest first and tensors are streamed into it one at a time.  The
+    output directory is replaced only when it is empty or an export this function
+    wrote; it may not be, contain or lie inside the checkpoint."""
     try:
         out_dtype = None if dtype is None else precision_dtype(dtype)
     except ValueError:
         raise ValueError(f"dtype must be one of fp32, bf16, fp16 (or None to keep each tensor's original dtype), got {dtype!r}") from None
+    reader = CheckpointReader(directory)
+    try:
+        reader.verify()
+        output_dir = _as_path(output_dir)
+        _refuse_overlap(Path(directory), reader.directory, output_dir)
+        what = f"consolidate into {output_dir}"
+        lock = files.DirectoryLock.take(output_dir, what)
+        done = False
+        try:
+            files.prepare_target(output_dir, files.KIND_CONSOLIDATED, what)
+            tmp = files.new_tmp(output_dir, files.KIND_CONSOLIDATED)
+            names = _write_consolidated(reader, tmp, out_dtype, max_shard_bytes)
+            files.finish_and_swap(tmp, output_dir, files.KIND_CONSOLIDATED)
+            done = True
+        except OSError as e:
+            raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
+        finally:
+            if not done:
+                files.discard_tmp(output_dir)
+            lock.release()
+    finally:
+        reader.close()
+    return [output_dir / n for n in names]
+
+
+def _write_consolidated(reader: CheckpointReader, tmp: Path, out_dtype, max_shard_bytes: int) -> List[str]:
     entries = []  # (name, manifest entry or buffer name, dtype, shape)
     for entry in reader.manifest["tensors"]:
         dt = out_dtype or dtype_from_name(entry["dtype"])
@@ -494,43 +841,36 @@ def consolidate(directory, output_dir, dtype: Optional[str] = None, max_shard_by
         if b.is_floating_point():
             entries.append((n, n, out_dtype or b.dtype, tuple(b.shape)))
     # Split into files of bounded size.
-    files: List[List[tuple]] = [[]]
+    groups: List[List[tuple]] = [[]]
     size = 0
     for e in entries:
         nbytes = torch.empty((), dtype=e[2]).element_size() * _prod(e[3])
-        if files[-1] and size + nbytes > max_shard_bytes:
-            files.append([])
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
             size = 0
-        files[-1].append(e)
+        groups[-1].append(e)
         size += nbytes
-    tmp = output_dir.with_name(output_dir.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    names = ["model.safetensors"] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    names = ["model.safetensors"] if len(groups) == 1 else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
-    for fname, group in zip(names, files):
+    for fname, group in zip(names, groups):
         writer = StreamingSafetensorsWriter(tmp / fname, {e[0]: (e[2], e[3]) for e in group}, metadata={"format": "pt"})
         with writer:
             for name, src, dt, shape in group:
                 t = reader.tensor(src) if isinstance(src, dict) else reader.shared(f"buffer.{src}")
                 writer.write(name, t.reshape(shape).to(dt))
                 weight_map[name] = fname
-    if len(files) > 1:
+    if len(groups) > 1:
         total = sum(torch.empty((), dtype=e[2]).element_size() * _prod(e[3]) for e in entries)
-        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    if (reader.directory / "config.json").exists():
-        cfg = json.loads((reader.directory / "config.json").read_text())
+        files.write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    config_path = reader.directory / CONFIG
+    if config_path.exists():
+        try:
+            cfg = json.loads(config_path.read_bytes())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise CheckpointError(f"{config_path} must hold an object")
         if out_dtype is not None:
             cfg["torch_dtype"] = cfg["dtype"] = dtype_name(out_dtype)
-        _write_json(tmp / "config.json", cfg)
-    reader.close()
-    _swap_into_place(tmp, output_dir)
-    return [output_dir / n for n in names]
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+        files.write_json(tmp / CONFIG, cfg)
+    return names

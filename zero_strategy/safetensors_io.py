@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -22,8 +23,14 @@ from .dtypes import safetensors_code
 
 
 class StreamingSafetensorsWriter:
-    def __init__(self, path, layout: Dict[str, Tuple[torch.dtype, tuple]], metadata: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, path, layout: Dict[str, Tuple[torch.dtype, tuple]], metadata: Optional[Dict[str, str]] = None,
+                 checksum: bool = False) -> None:
         self.path = Path(path)
+        # With checksum=True, the CRC-32 and size of every byte written (header included)
+        # are kept in ``crc32`` / ``size`` as the file streams out (checkpoints record them).
+        self._checksum = checksum
+        self.crc32 = 0
+        self.size = 0
         self._order = list(layout)
         header: dict = {}
         offset = 0
@@ -46,8 +53,14 @@ class StreamingSafetensorsWriter:
 
     def __enter__(self) -> "StreamingSafetensorsWriter":
         self._f = open(self.path, "wb")
-        self._f.write(self._header)
+        self._emit(self._header)
         return self
+
+    def _emit(self, data: bytes) -> None:
+        if self._checksum:
+            self.crc32 = zlib.crc32(data, self.crc32)
+            self.size += len(data)
+        self._f.write(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         expected = self._order[self._next] if self._next < len(self._order) else None
@@ -58,7 +71,7 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"{name}: declared {dtype}{list(shape)}, got {tensor.dtype}{list(tensor.shape)}")
         data = tensor.detach().contiguous().cpu().reshape(-1)
         raw = data.view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
-        self._f.write(raw.numpy().tobytes())
+        self._emit(raw.numpy().tobytes())
         self._next += 1
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -31,8 +31,12 @@ def save_engine(engine, folder: str) -> None:
 
 def load_engine(engine, folder: str):
     """Collective: every rank restores its shard from ``folder/zero_checkpoint``."""
+    from zero_strategy.checkpoint_files import existing
+
     directory = os.path.join(folder, CHECKPOINT_SUBDIR)
-    if not os.path.isdir(directory):
+    # existing() also finds ``zero_checkpoint.old``, where the previous checkpoint is
+    # when a save was interrupted between its two renames; load_checkpoint reads it.
+    if existing(directory) is None:
         raise FileNotFoundError(
             f"{folder!r} has no {CHECKPOINT_SUBDIR}/: it was not saved by a run with a zero_config section"
         )

@@ -1,0 +1,205 @@
+"""The checkpoint manifest as data: its full validation, before any other file is read,
+and the digest of its layout that every shard file carries.
+
+A manifest is read from disk, so nothing in it is trusted: every field the loader uses
+is checked for type and range, and the arithmetic is checked as a whole (each unit's
+``shard_numel`` is the one its ``numel`` and ``world`` give, its tensors tile
+``[0, numel)`` exactly, each tensor's ``numel`` is the product of its shape), so the
+slice arithmetic of loading can neither loop, divide by zero nor read past a shard.
+Every problem is a :class:`CheckpointError` naming the manifest.
+
+[Note: layout digest]
+Each shard file's safetensors header records a digest (BLAKE2b, 128 bits) of the
+manifest's ``world_size``, ``units`` and ``tensors``, computed by every rank from its
+own engine when it writes.  Loading recomputes it from the manifest: a manifest whose
+offsets, units or tensor locations were changed (two tensors' places swapped, an offset
+moved by one) no longer matches the files it describes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict
+
+from .checkpoint_files import CheckpointError
+from .dtypes import dtype_from_name
+from .loss_scale import LossScaler
+
+FORMAT = "zero_strategy.checkpoint"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no checksums or identities (loaded with a warning)
+MAX_WORLD = 1 << 24
+MAX_NUMEL = 1 << 53
+FILE_NAME = re.compile(r"^(rank(\d{5})\.(safetensors|json)|shared\.safetensors|client_state\.pt|config\.json)$")
+
+
+def layout_digest(world_size: int, units: list, tensors: list) -> str:
+    blob = json.dumps({"world_size": world_size, "units": units, "tensors": tensors}, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+def rank_file_names(world: int) -> list:
+    return [f"rank{r:05d}.{ext}" for r in range(world) for ext in ("safetensors", "json")]
+
+
+class _Check:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, what: str):
+        raise CheckpointError(f"{self.path} is not a valid checkpoint manifest: {what}")
+
+    def dict(self, v, what: str) -> dict:
+        if not isinstance(v, dict):
+            self.fail(f"{what} must be an object, got {type(v).__name__}")
+        return v
+
+    def list(self, v, what: str) -> list:
+        if not isinstance(v, list):
+            self.fail(f"{what} must be a list, got {type(v).__name__}")
+        return v
+
+    def str(self, v, what: str) -> str:
+        if not isinstance(v, str):
+            self.fail(f"{what} must be a string, got {v!r:.80}")
+        return v
+
+    def int(self, v, what: str, lo: int = 0, hi: int = MAX_NUMEL) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            self.fail(f"{what} must be an integer in [{lo}, {hi}], got {v!r:.80}")
+        return v
+
+    def key(self, d: dict, k: str, where: str) -> Any:
+        if k not in d:
+            self.fail(f"{where} has no {k!r}")
+        return d[k]
+
+
+def validate(m: Any, path: Path) -> None:
+    """Raise a CheckpointError naming ``path`` unless ``m`` is a well-formed manifest."""
+    c = _Check(path)
+    c.dict(m, "the manifest")
+    if m.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a zero_strategy checkpoint manifest")
+    version = m.get("format_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise CheckpointError(
+            f"{path} has format version {version!r}; this library reads versions {', '.join(map(str, READABLE_VERSIONS))}"
+        )
+    top = "the manifest"
+    world = c.int(c.key(m, "world_size", top), "world_size", 1, MAX_WORLD)
+    c.int(c.key(m, "stage", top), "stage", 0, 3)
+    c.int(c.key(m, "step", top), "step")
+    c.str(c.key(m, "precision", top), "precision")
+    if "model_class" in m:
+        c.str(m["model_class"], "model_class")
+    try:
+        LossScaler().load_state_dict(c.key(m, "loss_scaler", top))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: bad loss_scaler entry ({e})") from None
+
+    units: Dict[int, dict] = {}
+    for i, u in enumerate(c.list(c.key(m, "units", top), "units")):
+        where = f"units[{i}]"
+        c.dict(u, where)
+        index = c.int(c.key(u, "index", where), f"{where}.index", 0, MAX_WORLD * 64)
+        if index in units:
+            c.fail(f"unit index {index} appears twice")
+        uw = c.int(c.key(u, "world", where), f"{where}.world", 1, MAX_WORLD)
+        if uw != world:
+            c.fail(f"{where}.world is {uw} but world_size is {world}")
+        numel = c.int(c.key(u, "numel", where), f"{where}.numel")
+        shard = c.int(c.key(u, "shard_numel", where), f"{where}.shard_numel", 1)
+        if shard != max(1, -(-numel // world)):
+            c.fail(f"{where}.shard_numel is {shard}, but {numel} elements over {world} ranks give {max(1, -(-numel // world))}")
+        if "compute_dtype" in u:
+            _dtype(c, u["compute_dtype"], f"{where}.compute_dtype")
+        units[index] = u
+
+    names = set()
+    tiles: Dict[int, list] = {i: [] for i in units}
+    for i, t in enumerate(c.list(c.key(m, "tensors", top), "tensors")):
+        where = f"tensors[{i}]"
+        c.dict(t, where)
+        tnames = c.list(c.key(t, "names", where), f"{where}.names")
+        if not tnames:
+            c.fail(f"{where}.names is empty")
+        for n in tnames:
+            if not c.str(n, f"{where}.names[]"):
+                c.fail(f"{where} has an empty name")
+            if n in names:
+                c.fail(f"the name {n!r} appears twice")
+            names.add(n)
+        shape = c.list(c.key(t, "shape", where), f"{where}.shape")
+        if len(shape) > 64:
+            c.fail(f"{where}.shape has {len(shape)} dimensions")
+        count = 1
+        for s in shape:
+            count *= c.int(s, f"{where}.shape[]")
+        if count > MAX_NUMEL:
+            c.fail(f"{where}.shape {shape} has too many elements")
+        _dtype(c, c.key(t, "dtype", where), f"{where}.dtype")
+        if not isinstance(t.get("frozen", False), bool):
+            c.fail(f"{where}.frozen must be true or false")
+        unit = c.key(t, "unit", where)
+        if unit is None:
+            key = c.str(c.key(t, "key", where), f"{where}.key")
+            if not key.startswith("param."):
+                c.fail(f"{where}.key must start with 'param.', got {key!r:.80}")
+            continue
+        c.int(unit, f"{where}.unit", 0, MAX_WORLD * 64)
+        if unit not in units:
+            c.fail(f"{where} lives in unit {unit}, which the manifest does not describe")
+        offset = c.int(c.key(t, "offset", where), f"{where}.offset")
+        numel = c.int(c.key(t, "numel", where), f"{where}.numel")
+        if numel != count:
+            c.fail(f"{where} ({tnames[0]!r}) has numel {numel} but its shape {shape} holds {count} elements")
+        if offset + numel > units[unit]["numel"]:
+            c.fail(f"{where} ({tnames[0]!r}) spans [{offset}, {offset + numel}), past the end of unit {unit} ({units[unit]['numel']} elements)")
+        tiles[unit].append((offset, numel, tnames[0]))
+    for index, spans in tiles.items():
+        pos = 0
+        for offset, numel, name in sorted(spans):
+            if offset != pos:
+                c.fail(f"unit {index}'s tensors do not tile it: {name!r} starts at {offset}, expected {pos} (an offset was changed)")
+            pos += numel
+        if pos != units[index]["numel"]:
+            c.fail(f"unit {index}'s tensors cover {pos} elements but the unit has {units[index]['numel']}")
+
+    for i, b in enumerate(c.list(m.get("buffers", []), "buffers")):
+        c.str(b, f"buffers[{i}]")
+    opt = m.get("optimizer")
+    if opt is not None:
+        c.dict(opt, "optimizer")
+        c.str(c.key(opt, "cls", "optimizer"), "optimizer.cls")
+        for i, g in enumerate(c.list(c.key(opt, "param_groups", "optimizer"), "optimizer.param_groups")):
+            c.dict(g, f"optimizer.param_groups[{i}]")
+            if "params" in g:
+                c.fail(f"optimizer.param_groups[{i}] must not name 'params'")
+
+    if version >= 2:
+        cid = c.str(c.key(m, "checkpoint_id", top), "checkpoint_id")
+        if not re.fullmatch(r"[0-9a-f]{8,64}", cid):
+            c.fail(f"checkpoint_id must be hexadecimal, got {cid!r:.80}")
+        files = c.dict(c.key(m, "files", top), "files")
+        for name, rec in files.items():
+            match = FILE_NAME.match(name)
+            if match is None:
+                c.fail(f"files names {name!r:.80}, which is not a checkpoint file name")
+            c.dict(rec, f"files[{name!r}]")
+            c.int(c.key(rec, "size", f"files[{name!r}]"), f"files[{name!r}].size", 0, 1 << 62)
+            c.int(c.key(rec, "crc32", f"files[{name!r}]"), f"files[{name!r}].crc32", 0, 0xFFFFFFFF)
+            if match.group(2) is not None and int(match.group(2)) >= world:
+                c.fail(f"files names {name}, but the checkpoint has {world} ranks")
+        for name in rank_file_names(world) + ["shared.safetensors"]:
+            if name not in files:
+                c.fail(f"files has no entry for {name}")
+
+
+def _dtype(c: _Check, v, what: str) -> None:
+    try:
+        dtype_from_name(c.str(v, what))
+    except ValueError as e:
+        c.fail(f"{what}: {e}")
