@@ -140,6 +140,7 @@ def _save_safety_worker(rank, ws, root):
         a_file.write_bytes(b"precious")
     _barrier()
     out["file"] = _attempt(lambda: engine.save_checkpoint(a_file))
+    out["bad_path"] = _attempt(lambda: engine.save_checkpoint(a_file / "sub" / "ck"))  # a file as a parent
     out["file_kept"] = a_file.read_bytes() == b"precious"
     _barrier()
 
@@ -236,6 +237,9 @@ def _save_safety_worker(rank, ws, root):
     save_engine(engine, str(folder))
     out["old_after_save"] = sorted(os.listdir(folder))
     _barrier()
+
+    # Loading is collective too: two valid but different paths are refused on every rank.
+    out["load_paths"] = _attempt(lambda: engine.load_checkpoint(path if rank == 0 else folder / "zero_checkpoint"))
     return out
 
 
@@ -245,7 +249,9 @@ def test_saving_replaces_only_its_own_checkpoints_and_fails_on_every_rank(tmp_pa
     out = _results(result, 2)
     _assert_all_refused(out, "user_dir", "exp1 exists and is not a sharded zero_strategy checkpoint", "tb/", "hparams.yaml")
     _assert_all_refused(out, "file", "afile exists and is a file")
+    _assert_all_refused(out, "bad_path", "afile/sub", "failed on rank")
     _assert_all_refused(out, "paths", "different paths", "ck_rank0", "ck_rank1")
+    _assert_all_refused(out, "load_paths", "different paths", "/ck'", "zero_checkpoint")
     _assert_all_refused(out, "disk_full", "No space left on device", "rank00001.safetensors")
     _assert_all_refused(out, "extra_file", "notes.txt", "did not write")
     _assert_all_refused(out, "foreign_tmp", "ck.tmp exists and is not")
@@ -275,11 +281,16 @@ def _manifest_edit(fn):
     return edit
 
 
-def _flip_byte(d: Path) -> None:
-    f = d / "rank00001.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-10] ^= 0x40  # inside the tensor data (the header is at the start)
-    f.write_bytes(bytes(data))
+def _flip(name: str, at: int = -10):
+    def edit(d: Path) -> None:
+        f = d / name
+        data = bytearray(f.read_bytes())
+        data[at] ^= 0x40
+        f.write_bytes(bytes(data))
+    return edit
+
+
+_flip_byte = _flip("rank00001.safetensors")  # inside the tensor data (the header is at the start)
 
 
 def _swap_ranks(d: Path) -> None:
@@ -367,6 +378,8 @@ CORRUPTIONS = {
     "short_garbage_safetensors": (_garbage("shared.safetensors", same_size=False), ["shared.safetensors is unreadable or truncated"]),
     "truncated_shard": (_truncate("rank00001.safetensors"), ["rank00001.safetensors is unreadable or truncated"]),
     "mixed_saves": (_mixed, ["rank00001.safetensors belongs to another save"]),
+    "flipped_client_state": (_flip("client_state.pt"), ["client_state.pt"]),
+    "unlisted_client_state": (_manifest_edit(lambda m: m["files"].pop("client_state.pt")), ["client_state.pt is not part of this checkpoint"]),
     "v1_garbage_rank_json": (_v1(_garbage("rank00000.json")), ["rank00000.json is not valid JSON"]),
     "v1_garbage_safetensors": (_v1(_garbage("rank00001.safetensors")), ["rank00001.safetensors is unreadable"]),
     "v1_unit_world_1": (_v1(_manifest_edit(lambda m: m["units"][0].update(world=1))), ["units[0].world is 1"]),
@@ -573,7 +586,7 @@ def test_single_process_corruptions_are_refused_before_anything_is_read(single_c
         shutil.copytree(single_checkpoint, d)
         _manifest_edit(fn)(d)
         t = time.monotonic()
-        with pytest.raises(CheckpointError, match="manifest.json") as info:
+        with pytest.raises(CheckpointError, match="manifest.json"):
             load_consolidated_state_dict(d)
             pytest.fail(f"{case}: no error")
         assert time.monotonic() - t < 5, case

@@ -511,8 +511,11 @@ class CheckpointReader:
         such; otherwise its checksum is verified before it is unpickled."""
         path = self.directory / CLIENT_STATE
         record = None if self.table is None else self.table.get(CLIENT_STATE)
+        restricted = weights_only is None or bool(weights_only)
         if self.table is not None and record is None:
             if os.path.lexists(path):
+                if restricted:
+                    load_client_state(path, weights_only=True)  # refuses foreign objects as such; runs nothing
                 raise CheckpointError(
                     f"{path} is not part of this checkpoint (its manifest lists no client state): it was added after "
                     "the save; remove it"
@@ -522,7 +525,6 @@ class CheckpointReader:
             if record is not None:
                 raise CheckpointError(f"{path} is missing from the checkpoint")
             return None
-        restricted = weights_only is None or bool(weights_only)
         if restricted:
             client = load_client_state(path, weights_only=True)
             if record is not None:
@@ -812,7 +814,10 @@ def consolidate(directory, output_dir, dtype: Optional[str] = None, max_shard_by
         output_dir = _as_path(output_dir)
         _refuse_overlap(Path(directory), reader.directory, output_dir)
         what = f"consolidate into {output_dir}"
-        lock = files.DirectoryLock.take(output_dir, what)
+        try:
+            lock = files.DirectoryLock.take(output_dir, what)
+        except OSError as e:
+            raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
         done = False
         try:
             files.prepare_target(output_dir, files.KIND_CONSOLIDATED, what)

@@ -218,6 +218,8 @@ def ownership_problem(directory: Path, kind: str, *, in_progress_ok: bool = Fals
     if not names:
         return None
     marker = read_marker(directory)
+    if marker is None and in_progress_ok and names == [MARKER + ".part"]:
+        return None  # a directory we created, killed (or out of space) while writing its marker
     if marker is None and kind == KIND_CHECKPOINT and _v1_manifest(directory):
         extra = [n for n in names if not _V1_FILES.match(n)]
     elif marker is None:
