@@ -112,15 +112,15 @@ class ManyLinear(nn.Module):
 
 
 class FusedHeadLM(nn.Module):
-    """A causal LM whose loss reads ``lm.lm_head.weight`` directly after the forward."""
+    """A causal LM whose forward returns hidden states; the loss (``loss_of``) then reads
+    ``lm.lm_head.weight`` directly, after the model's forward, as TRL's fused loss does."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lm = _hf("llama")
 
     def forward(self, ids):
-        hidden = self.lm.model(input_ids=ids).last_hidden_state
-        return hidden @ self.lm.lm_head.weight.t()  # outside lm_head's own forward
+        return self.lm.model(input_ids=ids).last_hidden_state
 
 
 class Child(nn.Module):
@@ -188,5 +188,8 @@ def loss_of(name: str, model: nn.Module, batch: dict) -> torch.Tensor:
         return model(input_ids=ids, labels=ids).loss
     if name in ("gpt2", "llama", "mistral", "qwen2", "mixtral"):
         return model(input_ids=ids, labels=ids).loss
-    logits = model(ids).float()
+    if name == "fused_head":
+        logits = (model(ids) @ model.lm.lm_head.weight.t()).float()  # outside every forward
+    else:
+        logits = model(ids).float()
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))

@@ -40,16 +40,20 @@ _INT_RULES = {
     "hysteresis": (1, None, "overflows tolerated before the scale is lowered"),
 }
 
+MIN_COLLECTIVE_TIMEOUT = 0.1  # seconds: shorter waits fail healthy collectives
+
 # Float fields: name -> (minimum, whether the minimum itself is allowed, meaning).
 _FLOAT_RULES = {
     "loss_scale": (0.0, True, "0 = dynamic loss scaling, > 0 = static scale"),
     "min_loss_scale": (0.0, False, "the dynamic loss scale never drops below this"),
     "gradient_clipping": (0.0, True, "0 = off, else the max global gradient norm"),
-    "collective_timeout": (0.0, False, "seconds a collective may wait for the other ranks"),
+    "collective_timeout": (MIN_COLLECTIVE_TIMEOUT, True,
+                           "seconds a collective may wait for the other ranks; a shorter wait fails healthy "
+                           "collectives, and below a microsecond some backends read it as no timeout at all; "
+                           "for no practical limit use a large value, at most 1e7"),
 }
 
 _MIN_LOSS_SCALE_POLICIES = ("raise", "skip")
-MIN_COLLECTIVE_TIMEOUT = 0.1  # seconds
 
 
 def canonical_precision(value: Any, name: str = "precision") -> str:
@@ -288,12 +292,6 @@ class ZeroConfig:
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
-        if self.collective_timeout < MIN_COLLECTIVE_TIMEOUT:
-            raise ValueError(
-                f"ZeroConfig.collective_timeout is in seconds and must be at least {MIN_COLLECTIVE_TIMEOUT:g}, got "
-                f"{self.collective_timeout:g}: a wait that short fails healthy collectives (and below a microsecond "
-                "some backends read it as no timeout at all). For no practical limit, use a large value (at most 1e7)."
-            )
         if self.collective_timeout > 1e7:
             raise ValueError(f"ZeroConfig.collective_timeout must be at most 1e7 seconds (about 115 days), got {self.collective_timeout:g}")
         if self.offload_optimizer == "cpu" and self.stage == 0:
