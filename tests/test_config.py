@@ -105,6 +105,10 @@ def test_unknown_key_with_nothing_close_lists_valid_keys():
     ("loss_scale_window", 0),
     ("hysteresis", 0),
     ("min_loss_scale", 0.0),
+    ("loss_scale", 2e-156),  # 1/scale is infinite in fp32: every unscaled gradient would be NaN
+    ("loss_scale", 1e39),
+    ("min_loss_scale", 1e-300),
+    ("collective_timeout", 2e7),
     ("gradient_clipping", -0.5),
     ("gradient_clipping", "inf"),
 ])
@@ -289,3 +293,28 @@ def test_offload_and_activation_checkpointing_fields():
         ZeroConfig(offload_optimizer="nvme")
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
         ZeroConfig(offload_activations=True)
+
+
+@pytest.mark.parametrize("scale", [2.0 ** -126, 2.0 ** 126])
+def test_extreme_accepted_static_loss_scales_keep_parameters_finite(scale):
+    """The bounds of the accepted static loss scale are where unscaling stays finite in fp32:
+    one fp16 step at either bound leaves every parameter finite (an overflowing step is
+    skipped, a vanishing one adds nothing)."""
+    import torch
+    import zero_strategy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = zero_strategy.initialize(model, optimizer, ZeroConfig(stage=0, precision="fp16", loss_scale=scale))
+    try:
+        loss = model(torch.randn(2, 8)).float().pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        engine.close(unshard=True)
+        for p, b in zip(model.parameters(), before):
+            assert torch.isfinite(p).all()
+            assert p.dtype == b.dtype
+    finally:
+        engine.close()

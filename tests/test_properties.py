@@ -114,13 +114,17 @@ def _valid_value(field: str):
             values.append(st.sampled_from([float(low + 5e8), "5e8", 2**60]))
         return st.one_of(*values)
     if field in FLOAT_RULES:
-        low, inclusive, _ = FLOAT_RULES[field]
-        # Up to 1e6 (not 1e300): huge timeouts/scales are a separate, reported question.
-        return st.one_of(
-            st.floats(low, 1e6, exclude_min=not inclusive),
-            st.integers(math.ceil(low) + (0 if inclusive and low == math.ceil(low) else 1), 10**6),
+        rule = FLOAT_RULES[field]
+        low, inclusive = rule.low, rule.inclusive
+        top = min(1e6, rule.highest or 1e6)
+        values = [
+            st.floats(low, top, exclude_min=not inclusive),
+            st.integers(math.ceil(low) + (0 if inclusive and low == math.ceil(low) else 1), int(top)),
             st.sampled_from(["1.5", "250"]),
-        )
+        ]
+        if rule.smallest_positive is not None:  # 0 ("off") or a value from the positive range
+            values[0] = st.one_of(st.just(low), st.floats(rule.smallest_positive, top))
+        return st.one_of(*values)
     if field in BOOL_FIELDS:
         return st.booleans()
     return st.just(DEFAULTS[field])  # a field this file does not know yet: its default

@@ -15,7 +15,7 @@ import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -41,16 +41,34 @@ _INT_RULES = {
 }
 
 MIN_COLLECTIVE_TIMEOUT = 0.1  # seconds: shorter waits fail healthy collectives
+MAX_COLLECTIVE_TIMEOUT = 1e7  # seconds (about 115 days): some backends overflow beyond
+# Gradients are unscaled by multiplying with 1/scale in fp32: a scale outside fp32's normal
+# range makes that factor (or the scaled loss) infinite, and every gradient NaN.
+SMALLEST_LOSS_SCALE = 2.0 ** -126
+LARGEST_LOSS_SCALE = 2.0 ** 126
 
-# Float fields: name -> (minimum, whether the minimum itself is allowed, meaning).
+
+class FloatRule(NamedTuple):
+    low: float  # the smallest value allowed (or, when not inclusive, the bound it must exceed)
+    inclusive: bool
+    meaning: str
+    smallest_positive: Optional[float] = None  # for fields where 0 means "off": the least other value
+    highest: Optional[float] = None
+
+
 _FLOAT_RULES = {
-    "loss_scale": (0.0, True, "0 = dynamic loss scaling, > 0 = static scale"),
-    "min_loss_scale": (0.0, False, "the dynamic loss scale never drops below this"),
-    "gradient_clipping": (0.0, True, "0 = off, else the max global gradient norm"),
-    "collective_timeout": (MIN_COLLECTIVE_TIMEOUT, True,
-                           "seconds a collective may wait for the other ranks; a shorter wait fails healthy "
-                           "collectives, and below a microsecond some backends read it as no timeout at all; "
-                           "for no practical limit use a large value, at most 1e7"),
+    "loss_scale": FloatRule(0.0, True, "0 = dynamic loss scaling, > 0 = static scale; a static scale must "
+                            "lie in fp32's normal range, since gradients are unscaled by 1/scale in fp32",
+                            smallest_positive=SMALLEST_LOSS_SCALE, highest=LARGEST_LOSS_SCALE),
+    "min_loss_scale": FloatRule(SMALLEST_LOSS_SCALE, True,
+                                "the dynamic loss scale never drops below this; below fp32's normal range "
+                                "1/scale is infinite and every unscaled gradient NaN"),
+    "gradient_clipping": FloatRule(0.0, True, "0 = off, else the max global gradient norm"),
+    "collective_timeout": FloatRule(MIN_COLLECTIVE_TIMEOUT, True,
+                                    "seconds a collective may wait for the other ranks; a shorter wait fails "
+                                    "healthy collectives, and below a microsecond some backends read it as no "
+                                    "timeout at all; for no practical limit use a large value, at most 1e7",
+                                    highest=MAX_COLLECTIVE_TIMEOUT),
 }
 
 _MIN_LOSS_SCALE_POLICIES = ("raise", "skip")
@@ -272,11 +290,18 @@ class ZeroConfig:
                 raise ValueError(f"ZeroConfig.{name} must be {allowed} ({meaning}), got {value}")
             put(name, value)
 
-        for name, (low, inclusive, meaning) in _FLOAT_RULES.items():
+        for name, rule in _FLOAT_RULES.items():
             value = _as_float(name, getattr(self, name))
-            if value < low or (value == low and not inclusive):
-                allowed = f"{'>=' if inclusive else '>'} {low:g}"
-                raise ValueError(f"ZeroConfig.{name} must be {allowed} ({meaning}), got {value:g}")
+            too_low = value < rule.low or (value == rule.low and not rule.inclusive)
+            if rule.smallest_positive is not None and 0 < value < rule.smallest_positive:
+                too_low = True
+            if too_low or (rule.highest is not None and value > rule.highest):
+                allowed = f"{'>=' if rule.inclusive else '>'} {rule.low:g}"
+                if rule.smallest_positive is not None:
+                    allowed = f"{rule.low:g} or >= {rule.smallest_positive:g}"
+                if rule.highest is not None:
+                    allowed += f" and at most {rule.highest:g}"
+                raise ValueError(f"ZeroConfig.{name} must be {allowed} ({rule.meaning}), got {value:g}")
             put(name, value)
 
         put("precision", canonical_precision(self.precision, "ZeroConfig.precision"))
@@ -292,8 +317,6 @@ class ZeroConfig:
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
-        if self.collective_timeout > 1e7:
-            raise ValueError(f"ZeroConfig.collective_timeout must be at most 1e7 seconds (about 115 days), got {self.collective_timeout:g}")
         if self.offload_optimizer == "cpu" and self.stage == 0:
             raise ValueError("ZeroConfig.offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
         for flag in ("offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):

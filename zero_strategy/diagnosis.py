@@ -195,7 +195,9 @@ def build_error(*, me: int, ranks: List[int], mine: dict, reason: str, position,
             "ranks diverged: they issued different collectives at the same point (detected in-band, from the "
             "header every collective carries), so the modules they run differ (a branch taken on some ranks "
             "only, a different number of forward passes or generate() steps) or a collective API was called on "
-            "some ranks only. Every rank must call the same modules in the same order under ZeRO stage 3"
+            "some ranks only. Every rank must call the same modules in the same order under ZeRO stage 3 "
+            "(check_call_order=True stops at the first module call that differs, before its collective is "
+            "issued, and names it on every rank)"
         )
     elif silent:
         hint = (
