@@ -81,6 +81,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._inner
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer, under the attribute name wrapper-aware tools look for
+        (Lightning's LearningRateMonitor names series after ``.optimizer``'s class)."""
+        return self._inner
+
+    @property
     def step_was_skipped(self) -> bool:
         """True when the last ``step`` was skipped because of an fp16 overflow."""
         return self._engine.last_step_skipped

@@ -23,6 +23,8 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.init import _EmptyInit
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 
@@ -37,12 +39,11 @@ from ._common import (
     partitioned_init,
     resolve_plugin_flag,
 )
+from ._fabric_files import OBJECTS_KEY as _OBJECTS_KEY
+from ._fabric_files import load_single_file
 from ._process_group import ZeroProcessGroupMixin
 
 __all__ = ["ZeroFabricStrategy", "ZeroFabricPrecision"]
-
-_OBJECTS_KEY = "__zero_strategy_objects__"
-
 
 class ZeroFabricPrecision(Precision):
     """No autocast, no scaler: the engine owns mixed precision (see the Trainer plugin)."""
@@ -184,11 +185,17 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
 
     def module_init_context(self, empty_init: Optional[bool] = None):
         """``fabric.init_module()``: under stage 3 parameters stay deferred (meta)
-        until ``fabric.setup`` materialises them partitioned on the device."""
+        until ``fabric.setup`` materialises them partitioned on the device (and
+        initialised there, as FSDP and DeepSpeed stage 3 do).  Stages 0-2 build whole
+        parameters; ``empty_init=True`` skips their initialisation, as Lightning's
+        other strategies do (the weights are expected to come from a checkpoint)."""
+        config = self._config()
         stack = ExitStack()
         stack.enter_context(self.root_device)
+        if config.stage != 3:
+            stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
         stack.enter_context(self.precision.module_init_context())
-        stack.enter_context(partitioned_init(self._config()))
+        stack.enter_context(partitioned_init(config))
         return stack
 
     def module_sharded_context(self):
@@ -241,12 +248,20 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         engine.save_checkpoint(Path(path), client_state=client)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
-        """Restore into ``state`` (a dict holding the set-up model, and optimizer) in place;
-        returns what the checkpoint holds beyond the requested keys."""
+        """Restore into ``state`` in place; returns what the checkpoint holds beyond the
+        requested keys.  A checkpoint directory written by ``fabric.save`` restores the
+        sharded model and optimizer; an ordinary single file (``torch.save``'d by another
+        strategy, or consolidated) is read whole on every rank, as the Trainer strategy does."""
+        path = Path(path)
+        if not (path.is_dir() or path.with_name(path.name + ".old").is_dir()):
+            return load_single_file(self, path, state, strict, weights_only, rank_zero_warn)
         if not isinstance(state, dict) or not state:
-            raise ValueError("ZeroFabricStrategy.load_checkpoint needs the state dict with the set-up model to restore into")
+            raise ValueError(
+                f"{path} is a ZeroFabricStrategy checkpoint directory: pass the state to restore into, e.g. "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer}) (fabric.load_raw takes single files)"
+            )
         _, engine = self._module_entry(state)
-        client = dict(engine.load_checkpoint(Path(path), weights_only=weights_only) or {})
+        client = dict(engine.load_checkpoint(path, weights_only=weights_only) or {})
         client.pop(_OBJECTS_KEY, None)
         for k, obj in list(state.items()):
             if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
@@ -266,7 +281,12 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         return self._engine_for(module).full_state_dict(rank0_only=False)
 
     def load_module_state_dict(self, module, state_dict, strict: bool = True) -> None:
-        self._engine_for(module).load_full_state_dict(state_dict, strict=strict)
+        """A full state dict, passed on every rank (each keeps its own slices)."""
+        engine = engine_of(module)
+        if engine is None:  # not set up yet: an ordinary module
+            module.load_state_dict(state_dict, strict=strict)
+        else:
+            engine.load_full_state_dict(state_dict, strict=strict)
 
     def get_optimizer_state(self, optimizer) -> dict:
         return {}  # sharded: saved by save_checkpoint

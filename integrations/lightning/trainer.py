@@ -23,6 +23,7 @@ device until ``setup`` materialises them partitioned.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +35,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -46,6 +48,7 @@ from ._common import (
     has_meta_parameters,
     initialize_engine,
     partitioned_init,
+    release_engine,
     resolve_plugin_flag,
     split_client_state,
 )
@@ -65,6 +68,20 @@ class _StepRouter(nn.Module):
         return self.module(*args, **kwargs)
 
 
+def _inside_checkpoint_dump() -> bool:
+    """Whether Lightning's ``_CheckpointConnector.dump_checkpoint`` is asking (via
+    ``_get_lightning_module_state_dict``).  If Lightning renames them this returns False
+    and the state dict is gathered anyway: slower, never wrong."""
+    frame = sys._getframe(2)
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "dump_checkpoint" and type(frame.f_locals.get("self")).__name__ == "_CheckpointConnector":
+            return True
+        frame = frame.f_back
+    return False
+
+
 class ZeroPrecision(Precision):
     """Hands precision to the engine: no autocast, no GradScaler.
 
@@ -78,6 +95,7 @@ class ZeroPrecision(Precision):
             engine_precision(precision, "fp32")  # raises with the supported list
         self.precision = precision
         self._strategy = None
+        self._warned_backward = False
 
     def _engine(self):
         engine = None if self._strategy is None else self._strategy.engine
@@ -88,6 +106,14 @@ class ZeroPrecision(Precision):
     def backward(self, tensor, model, optimizer, *args, **kwargs) -> None:
         # Like DeepSpeed's plugin this bypasses LightningModule.backward: the loss
         # scale and the end-of-backward reduction belong to the engine.
+        if not self._warned_backward and is_overridden("backward", model):
+            self._warned_backward = True
+            rank_zero_warn(
+                f"{type(model).__name__}.backward is overridden but ZeroStrategy never calls it: the ZeRO engine runs "
+                "the backward pass itself (fp16 loss scaling, gradient reduction into this rank's shards). Move what "
+                "it does into the on_before_backward / on_after_backward hooks, which are called as usual, or use "
+                "strategy='ddp' if the override must replace loss.backward()."
+            )
         self._engine().backward(tensor, **backward_kwargs(args, kwargs))
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
@@ -214,6 +240,8 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         config = self._resolved_config()
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            self._apply_layer_sync(module)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
             # configure_optimizers sees the module's own parameters (whole, or the
@@ -230,6 +258,20 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         self.model = _StepRouter(module)
         self.setup_precision_plugin()
         self.barrier("ZeroStrategy.setup")
+
+    def _apply_layer_sync(self, module) -> None:
+        """``Trainer(sync_batchnorm=True)`` (or a LayerSync plugin), applied as DDP does:
+        when fitting, before the optimizer and the engine exist.  The layers are swapped
+        on a plain module (an earlier engine is released first: its hooks sit on the
+        modules being replaced).  Unlike DDP, teardown does not revert them: the module
+        stays managed by the engine after ``fit``."""
+        release_engine(module)
+        converted = self._layer_sync.apply(module)
+        if converted is not module:
+            raise RuntimeError(
+                f"{type(self._layer_sync).__name__}.apply returned a new root module; ZeroStrategy needs the "
+                "LightningModule itself back (convert its submodules in place)"
+            )
 
     def _single_optimizer(self):
         if len(self.optimizers) != 1:
@@ -291,7 +333,17 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
 
     # -- checkpoints ---------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict:
-        return {}  # the weights are in the shard files written by save_checkpoint
+        """The consolidated state dict on rank 0, ``{}`` on the other ranks (as FSDP's
+        full state dict).  Collective: every rank calls it.
+
+        Inside ``trainer.save_checkpoint`` it returns ``{}`` without gathering: the
+        weights go into the shard files, and a full copy on rank 0 at every checkpoint
+        would cost the whole model in host memory for nothing."""
+        if self._engine is None:
+            return self.lightning_module.state_dict()
+        if _inside_checkpoint_dump():
+            return {}
+        return self._engine.full_state_dict(rank0_only=True)
 
     def optimizer_state(self, optimizer) -> dict:
         return {}  # likewise the optimizer shards
@@ -303,7 +355,10 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
             raise TypeError("ZeroStrategy.save_checkpoint does not take storage_options (it writes a directory)")
         if self._engine is None:
             raise RuntimeError("ZeroStrategy.save_checkpoint before setup: there is no engine to save")
-        self._engine.save_checkpoint(Path(filepath), client_state=split_client_state(checkpoint))
+        # Rank 0's path, as Lightning's own strategies do: ModelCheckpoint formats the
+        # name from metrics, which may differ per rank (logged without sync_dist).
+        path = Path(self.broadcast(str(filepath)))
+        self._engine.save_checkpoint(path, client_state=split_client_state(checkpoint))
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         """A ZeRO checkpoint directory restores weights, optimizer shards and loss scale

@@ -1,0 +1,83 @@
+"""``fabric.load`` / ``fabric.load_raw`` of an ordinary single-file checkpoint under ZeRO.
+
+A file ``torch.save``'d by another strategy (``fabric.save`` under ddp writes one), a raw
+``model.state_dict()``, or a file consolidated from one of our directories
+(``consolidate_checkpoint``) is read whole on every rank; each rank keeps its slices of the
+weights.  Optimizer state in such a file belongs to whole parameters, not to this rank's
+shards, so it is not restored (the Trainer strategy does the same): resume optimizer
+state from a checkpoint directory written by ``fabric.save`` under ZeRO.
+
+No Lightning import here (this module is shared by the ``lightning.fabric`` and
+``lightning_fabric`` twins of ``fabric``); the strategy passes its rank-zero warning.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+# Our directories record which state key held the model (consolidated files keep it, with
+# the weights under "state_dict").
+OBJECTS_KEY = "__zero_strategy_objects__"
+
+
+def _checkpoint_dict(path, checkpoint) -> dict:
+    if not isinstance(checkpoint, dict):
+        raise TypeError(f"{path} holds a {type(checkpoint).__name__}, not a checkpoint dict or a state dict")
+    return checkpoint
+
+
+def _model_state(checkpoint: dict) -> dict:
+    """A raw state dict, or the weights of a file consolidated from our directory."""
+    if OBJECTS_KEY in checkpoint and "state_dict" in checkpoint:
+        return checkpoint["state_dict"]
+    return checkpoint
+
+
+def _unpack_consolidated(checkpoint: dict) -> dict:
+    """A consolidated file keeps the model under "state_dict"; put it back under the key
+    it was saved with (e.g. "model") so the same ``state`` dict restores it."""
+    objects = checkpoint.pop(OBJECTS_KEY, None)
+    if isinstance(objects, dict) and "state_dict" in checkpoint and objects.get("module") not in checkpoint:
+        checkpoint[objects["module"]] = checkpoint.pop("state_dict")
+    return checkpoint
+
+
+def load_single_file(strategy, path, state, strict: bool, weights_only, warn: Callable[[str], Any]) -> dict:
+    """``ZeroFabricStrategy.load_checkpoint`` for a file (every rank reads it)."""
+    checkpoint = _checkpoint_dict(path, strategy.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
+    if not state:
+        return checkpoint
+    if isinstance(state, nn.Module):  # fabric.load_raw(path, model)
+        strategy.load_module_state_dict(state, _model_state(checkpoint), strict=strict)
+        return {}
+    if isinstance(state, torch.optim.Optimizer):  # fabric.load_raw(path, optimizer)
+        raise NotImplementedError(
+            f"fabric.load_raw({path}, optimizer): a single-file optimizer state belongs to whole parameters and "
+            "cannot be loaded into the sharded ZeRO optimizer. Resume optimizer state from a checkpoint directory "
+            "written by fabric.save under ZeRO, or start the optimizer afresh"
+        )
+    checkpoint = _unpack_consolidated(checkpoint)
+    missing = [k for k in state if k not in checkpoint]
+    if strict and missing:
+        raise KeyError(f"the requested state contains keys {missing} that do not exist in {path} "
+                       f"(it holds {sorted(checkpoint)}); pass strict=False to skip them")
+    skipped = []
+    for key, obj in list(state.items()):
+        if key not in checkpoint:
+            continue
+        value = checkpoint.pop(key)
+        if isinstance(obj, nn.Module):
+            strategy.load_module_state_dict(obj, value, strict=strict)
+        elif isinstance(obj, torch.optim.Optimizer):
+            skipped.append(key)
+        elif hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
+            obj.load_state_dict(value)
+        else:
+            state[key] = value
+    if skipped:
+        warn(f"{path} is a single-file checkpoint: its weights and other state are restored, the optimizer "
+             f"state under {skipped} is not (it belongs to whole parameters; ZeRO restores optimizer state from "
+             "its own checkpoint directories)")
+    return checkpoint
