@@ -5,21 +5,28 @@ While active, ``PreTrainedModel.from_pretrained`` (and every
 ``AutoModel*.from_pretrained``, which ends there) no longer reads the whole checkpoint
 in each process:
 
-1. the config is read as usual and the model is built inside
+1. the keywords are checked: every keyword of the stock signature is accepted at its
+   default value; a value this loader cannot honour (``state_dict=``, quantisation,
+   a ``device_map`` that moves or splits the model, tensor parallelism, ...) raises
+   :class:`UnsupportedArgument` naming it, on every rank alike;
+2. the config is read as usual and the model is built inside
    :func:`zero_strategy.init_context`: its parameters live on the meta device (no memory;
    buffers are built normally);
-2. the folder holding the safetensors weights is remembered on the model;
-3. the integration that builds the engine passes :func:`sources_in` of the model (a
-   ``{submodule name: folder}`` mapping, so a transformers model held inside a
-   LightningModule works too) to ``zero_strategy.initialize(pretrained=)``: each rank
-   reads from the files only the slice of each tensor it keeps, and parameters missing
-   from the files are initialised by the model's own initialiser with values that do
-   not depend on the world size.
+3. which checkpoint tensor fills which parameter is decided now, by name, as the stock
+   loader matches them (``output_loading_info=True`` returns that match, in the stock
+   format), and kept on the model by object (:class:`~zero_strategy.materialize.CheckpointBinding`);
+4. the integration that builds the engine passes :func:`sources_in` of the model to
+   ``zero_strategy.initialize(pretrained=)``: each rank reads from the files only the
+   slice of each tensor it keeps, and parameters missing from the files are initialised
+   by the model's own initialiser with values that do not depend on the world size.
 
-Between 1 and 3 the model can be moved (``model.to(device)``, which the Trainer does):
-the meta parameters stay where they are and the engine places them.  Calls this cannot
-serve (``device_map``, quantisation, an explicit ``state_dict``, weights only in
-``pytorch_model.bin``, ...) fall back to the stock loader with a warning.
+Between 3 and 4 the model can be moved (``model.to(device)``, which the Trainer does:
+the meta parameters stay where they are and the engine places them) and wrapped (PEFT:
+the binding follows the parameters, not their names; adapters keep the values PEFT
+gives them).  If a checkpoint tensor has lost its parameter by then, or a parameter its
+values, :func:`sources_in` raises, listing them.  Positional model arguments,
+``use_safetensors=False`` and checkpoints with only ``pytorch_model.bin`` fall back to
+the stock loader (whole model in every process) with a warning.
 
 Who activates it: the Accelerate integration (``zero3_init_flag``, see
 :mod:`zero_strategy.integrations.accelerate.loading`) and the Lightning strategies (around
@@ -28,25 +35,71 @@ Who activates it: the Accelerate integration (``zero3_init_flag``, see
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import warnings
-from typing import Dict, Optional
+import weakref
+from typing import Optional
 
 SOURCE_ATTR = "_zero_strategy_pretrained_source"
-"""Set on a model built partitioned: the folder (or file) its weights are loaded from."""
+"""Set on a model built partitioned: the folder its weights are loaded from."""
+BINDING_ATTR = "_zero_strategy_binding"
+"""Set on a model built partitioned: its :class:`zero_strategy.materialize.CheckpointBinding`."""
 
 _log = logging.getLogger(__name__)
 _active = False
 
-# Keyword arguments of from_pretrained that only say where the files are.
+# Every keyword of PreTrainedModel.from_pretrained (transformers 5.24, checked against the
+# installed signature by tests/test_pretrained_kwargs.py), by what partitioned loading does
+# with it.  Keywords not listed are config attributes, as for the stock loader.
 _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")
-# Keyword arguments this loader cannot honour: the stock loader handles them.
-_UNSUPPORTED = ("device_map", "quantization_config", "state_dict", "gguf_file", "tp_plan", "output_loading_info",
-                "from_tf", "from_flax", "load_in_8bit", "load_in_4bit", "max_memory", "offload_folder")
-# Keyword arguments with no meaning once the loading is ours.
-_IGNORED = ("low_cpu_mem_usage", "use_safetensors", "ignore_mismatched_sizes", "trust_remote_code",
-            "_from_auto", "_from_pipeline", "_commit_hash", "adapter_kwargs", "user_agent", "key_mapping")
+# The stock loader ignores these in 5.x (or they only steer how it reads files we do not
+# read: pickles, its progress bar, its own loading path), so every value is accepted.
+_IGNORED = ("low_cpu_mem_usage", "from_tf", "from_flax", "mirror", "_fast_init", "offload_state_dict",
+            "_from_auto", "_from_pipeline", "_commit_hash", "user_agent", "trust_remote_code", "weights_only",
+            "tqdm_class", "adapter_kwargs", "adapter_name")
+# Keyword -> its stock default: any other value asks for something partitioned loading
+# cannot do, and is refused with an error naming it.
+_DEFAULT_ONLY = {
+    "state_dict": None, "quantization_config": None, "gguf_file": None, "max_memory": None, "offload_folder": None,
+    "offload_buffers": False, "variant": None, "distributed_config": None, "device_mesh": None, "tp_plan": None,
+    "tp_size": None, "key_mapping": None, "fusion_config": None, "disable_mmap": None, "use_kernels": False,
+    "kernel_config": None, "allow_all_kernels": False, "load_in_8bit": False, "load_in_4bit": False,
+}
+# Handled below: config, dtype / torch_dtype, attn_implementation, experts_implementation,
+# device_map, use_safetensors, ignore_mismatched_sizes, output_loading_info, generation_config.
+_HANDLED = ("config", "dtype", "torch_dtype", "attn_implementation", "experts_implementation", "device_map",
+            "use_safetensors", "ignore_mismatched_sizes", "output_loading_info", "generation_config")
+_WHY = {
+    "state_dict": "the weights are read from the checkpoint's safetensors files, slice by slice",
+    "quantization_config": "quantised weights cannot be partitioned by zero_strategy",
+    "gguf_file": "only safetensors checkpoints are read",
+    "max_memory": "placement is zero_strategy's: each process keeps 1/N of the model",
+    "offload_folder": "parameter offload is not implemented",
+    "offload_buffers": "parameter offload is not implemented",
+    "variant": "only the default weights files (model.safetensors or its index) are read",
+    "distributed_config": "tensor parallelism cannot be combined with ZeRO-3",
+    "device_mesh": "tensor parallelism cannot be combined with ZeRO-3",
+    "tp_plan": "tensor parallelism cannot be combined with ZeRO-3",
+    "tp_size": "tensor parallelism cannot be combined with ZeRO-3",
+    "key_mapping": "checkpoint keys are matched by name as saved",
+    "fusion_config": "fused modules are not built by partitioned loading",
+    "disable_mmap": "safetensors files are read through memory maps",
+    "use_kernels": "hub kernels are not applied by partitioned loading",
+    "kernel_config": "hub kernels are not applied by partitioned loading",
+    "allow_all_kernels": "hub kernels are not applied by partitioned loading",
+    "load_in_8bit": "quantised weights cannot be partitioned by zero_strategy",
+    "load_in_4bit": "quantised weights cannot be partitioned by zero_strategy",
+}
+
+# Modules awaiting their engine: while there is one, moving a module that holds values to
+# the meta device keeps the values (see _to_keeping_values).
+_awaiting = weakref.WeakSet()
+
+
+class UnsupportedArgument(ValueError):
+    """A from_pretrained keyword whose value partitioned loading cannot honour."""
 
 
 def activate() -> None:
@@ -85,7 +138,9 @@ def _patch() -> None:
     def from_pretrained(klass, pretrained_model_name_or_path, *model_args, **kwargs):
         if not _active:
             return stock(klass, pretrained_model_name_or_path, *model_args, **kwargs)
-        reason = _unsupported_reason(pretrained_model_name_or_path, model_args, kwargs)
+        # Refused before anything is read, identically on every rank.
+        check_arguments(kwargs)
+        reason = _fallback_reason(pretrained_model_name_or_path, model_args, kwargs)
         folder = None if reason else _weights_folder(pretrained_model_name_or_path, kwargs)
         if folder is None:
             reason = reason or "no .safetensors weights were found"
@@ -101,12 +156,82 @@ def _patch() -> None:
     cls.from_pretrained = classmethod(from_pretrained)
 
 
-def _unsupported_reason(name, model_args, kwargs) -> Optional[str]:
+def _is_default(value, default) -> bool:
+    return value is None if default is None else (value is default or value == default)
+
+
+def check_arguments(kwargs) -> None:
+    """Raise :class:`UnsupportedArgument`, naming the keyword, for a value partitioned
+    loading cannot honour; default values (``device_map=None``, ...) pass."""
+    for key, default in _DEFAULT_ONLY.items():
+        if key in kwargs and not _is_default(kwargs[key], default):
+            raise UnsupportedArgument(
+                f"zero3_init_flag: from_pretrained({key}={kwargs[key]!r}) is not supported with partitioned loading "
+                f"({_WHY[key]}); drop {key}= or load without zero3_init_flag"
+            )
+    _check_device_map(kwargs.get("device_map"))
+
+
+_SPREADING = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _process_device():
+    """The device prepare puts this process's partitions on (Accelerate's rule)."""
+    import torch
+
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
+    if use_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _as_device(value):
+    import torch
+
+    if isinstance(value, int):
+        return torch.device("cuda", value)
+    device = torch.device(value)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def _check_device_map(device_map) -> None:
+    """A device_map is accepted when it puts the whole model where prepare puts it anyway:
+    this process's device, or a spreading strategy ("auto", ...) on a machine with no GPU
+    (which TRL passes on CPU); anything else would split or move the model, which
+    ZeRO-3 does itself.  DeepSpeed's ZeRO-3 refuses every device_map."""
+    if device_map is None:
+        return
+    import torch
+
+    here = _process_device()
+    if isinstance(device_map, str) and device_map in _SPREADING:
+        if not torch.cuda.is_available():
+            return
+        problem = "it spreads the model over this machine's GPUs"
+    else:
+        values = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
+        try:
+            devices = {_as_device(v) for v in values}
+        except (RuntimeError, TypeError, ValueError):
+            devices = None
+        if devices == {here}:
+            return
+        problem = f"it places the model elsewhere than this process's device ({here})"
+    raise UnsupportedArgument(
+        f"zero3_init_flag: from_pretrained(device_map={device_map!r}) is not supported: {problem}, while ZeRO-3 "
+        "partitions the model across the processes itself; drop device_map= (or pass device_map=None)"
+    )
+
+
+def _fallback_reason(name, model_args, kwargs) -> Optional[str]:
+    """Why the stock loader (whole model in every process, partitioned by prepare) must
+    serve this call; None when partitioned loading can."""
     if model_args:
         return "positional model arguments were given"
-    for key in _UNSUPPORTED:
-        if kwargs.get(key) not in (None, False):
-            return f"{key}= is not supported with partitioned loading"
+    if kwargs.get("use_safetensors") is False:
+        return "use_safetensors=False"
     if name is None:
         return "no checkpoint was named"
     return None
@@ -144,30 +269,54 @@ def _build_partitioned(klass, name, folder, kwargs):
     import zero_strategy
     from transformers import PretrainedConfig
 
+    from zero_strategy.materialize import CheckpointBinding
+
     kwargs = dict(kwargs)
     hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
-    for key in _IGNORED:
-        kwargs.pop(key, None)
+    for key in (*_IGNORED, *_DEFAULT_ONLY, "device_map", "use_safetensors"):
+        kwargs.pop(key, None)  # checked by check_arguments / _fallback_reason
+    output_loading_info = bool(kwargs.pop("output_loading_info", False))
+    ignore_mismatched_sizes = bool(kwargs.pop("ignore_mismatched_sizes", False))
+    generation_config = kwargs.pop("generation_config", None)
+    experts = kwargs.pop("experts_implementation", None)
     build_kwargs = {k: kwargs.pop(k) for k in ("dtype", "torch_dtype", "attn_implementation") if k in kwargs}
     config = kwargs.pop("config", None)
     if not isinstance(config, PretrainedConfig):
         source = config if isinstance(config, (str, os.PathLike)) else name
         config, kwargs = klass.config_class.from_pretrained(source, return_unused_kwargs=True, **hub, **kwargs)
-    elif kwargs:
+    else:
+        config = copy.deepcopy(config)  # as the stock loader: the caller's config is not modified
         for key in list(kwargs):
             if hasattr(config, key):
                 setattr(config, key, kwargs.pop(key))
     if kwargs:
         raise TypeError(f"from_pretrained got arguments that are neither config attributes nor loading options: {sorted(kwargs)}")
-    dtype = build_kwargs.pop("dtype", build_kwargs.pop("torch_dtype", None))
+    if experts is not None:
+        config._experts_implementation = experts
+    dtype = build_kwargs.pop("dtype", None)
+    torch_dtype = build_kwargs.pop("torch_dtype", None)
+    dtype = dtype if dtype is not None else torch_dtype
     if dtype is not None and dtype != "auto":
         build_kwargs["dtype"] = dtype
     with zero_strategy.init_context():
         model = klass._from_config(config, **build_kwargs)
+    # Which file tensor fills which parameter is decided now, by the names the stock
+    # loader would match, and kept by object: wrappers added before prepare (PEFT) may
+    # rename modules.  A shape mismatch is an error here unless ignore_mismatched_sizes.
+    binding = CheckpointBinding(model, folder, ignore_mismatched_sizes=ignore_mismatched_sizes,
+                                ignore_unexpected=klass._keys_to_ignore_on_load_unexpected or (),
+                                ignore_missing=klass._keys_to_ignore_on_load_missing or ())
     zero_strategy.keep_meta_on_moves(model)
     model.eval()  # as the stock loader returns it
     _load_generation_config(model, folder)
+    if generation_config is not None and hasattr(model, "generation_config"):
+        model.generation_config = generation_config
     setattr(model, SOURCE_ATTR, folder)
+    setattr(model, BINDING_ATTR, binding)
+    _awaiting.add(model)
+    _install_meta_guard()
+    if output_loading_info:
+        return model, binding.loading_info()
     return model
 
 
@@ -182,14 +331,53 @@ def _load_generation_config(model, folder) -> None:
         _log.warning("zero3_init_flag: generation_config.json in %s not loaded: %s", folder, exc)
 
 
+def _install_meta_guard() -> None:
+    """While a partitioned model awaits its engine, ``module.to("meta")`` on a module that
+    holds values keeps them (a dtype in the same call is still applied).
+
+    Wrappers place what they add on the device of the weights they wrap: PEFT builds
+    and initialises its LoRA matrices, then moves them to the base layer's device, which
+    is 'meta' here.  Values moved to meta are gone, and would have to be invented at
+    prepare.  Kept where they are (they are small), they are partitioned by prepare with
+    the values the wrapper gave them."""
+    import torch.nn as nn
+
+    if getattr(nn.Module.to, "_zero_strategy", False):
+        return
+    original = nn.Module.to
+
+    def to(self, *args, **kwargs):
+        if len(_awaiting):
+            import torch
+
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+            if device is not None and device.type == "meta" and any(not t.is_meta for t in self.parameters()):
+                _log.debug("zero3_init_flag: %s keeps its values instead of moving to 'meta'", type(self).__name__)
+                return original(self, dtype=dtype, non_blocking=non_blocking) if dtype is not None else self
+        return original(self, *args, **kwargs)
+
+    to._zero_strategy = True
+    nn.Module.to = to
+
+
 def source_of(model) -> Optional[str]:
     """The weights folder a partitioned ``from_pretrained`` left on ``model`` (None if none)."""
     return getattr(model, SOURCE_ATTR, None)
 
 
-def sources_in(module) -> Optional[Dict[str, str]]:
-    """``{submodule name: weights folder}`` for every submodule (the root is ``""``) that a
-    partitioned ``from_pretrained`` built, ready for ``initialize(pretrained=...)``; None
-    when there is none."""
-    found = {name: source_of(m) for name, m in module.named_modules() if source_of(m) is not None}
-    return found or None
+def sources_in(module):
+    """What ``initialize(pretrained=...)`` needs for the models inside ``module`` (the
+    root included) that a partitioned ``from_pretrained`` built: their checkpoint tensors
+    bound to ``module``'s current parameters (:class:`zero_strategy.materialize.BoundWeights`),
+    or None when there is none.  Raises ValueError, naming them, if a checkpoint tensor
+    has lost its parameter or a parameter has lost its values (see
+    :func:`zero_strategy.materialize.bind`)."""
+    from zero_strategy.materialize import bind
+
+    owners = [m for m in module.modules() if getattr(m, BINDING_ATTR, None) is not None]
+    if not owners:
+        return None
+    bound = bind(module, [getattr(m, BINDING_ATTR) for m in owners])
+    for m in owners:
+        _awaiting.discard(m)
+    return bound

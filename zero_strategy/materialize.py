@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import types
+import weakref
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Mapping, Optional, Set
 
@@ -41,6 +42,10 @@ def init_context() -> Iterator[None]:
     def register_parameter(module, name, param):
         if param is not None and param.device.type != "meta":
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        if param is not None:
+            # Deferred on purpose: its module's initialiser gives it values later.  A
+            # parameter moved to meta by anyone else has lost its values (see bind()).
+            param._zero_deferred = True
         original(module, name, param)
 
     nn.Module.register_parameter = register_parameter
@@ -282,23 +287,73 @@ def _sources(path) -> Dict[str, tuple]:
     return {k: (f, k) for k, f in _weight_files(path).items()}
 
 
+def _write_owned_slice(unit, i, source) -> None:
+    """Read this rank's flat range of parameter ``i`` of ``unit`` from ``source`` (file, key)."""
+    from safetensors import safe_open
+
+    owned = unit.params_store.owned_range(i)
+    if owned is None:
+        return
+    a, b = owned
+    # A fresh memory map per tensor: pages of a map stay resident (and count as this
+    # process's memory) until it is closed, so one long-lived map per file would grow
+    # to the whole file as its tensors are read.
+    with safe_open(str(source[0]), framework="pt") as h:
+        values = _read_flat_range(h, source[1], a, b).clone()
+    if values.numel() != b - a:
+        raise ValueError(f"{source[0]}: {source[1]} has {values.numel()} elements in [{a}, {b}), expected {b - a}; shape mismatch?")
+    unit.params_store.write(i, values.to(torch.float32), start=a)
+
+
+def _read_whole(source) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(source[0]), framework="pt") as h:
+        return h.get_tensor(source[1])
+
+
+def _load_bound(engine, bound: BoundWeights, pending: Optional[Set[int]]) -> Dict[str, list]:
+    """``load_pretrained`` for tensors bound to parameter objects (see :func:`bind`):
+    every bound tensor is read into its parameter's shard; the parameters the
+    checkpoints do not hold are initialised by the model's initialisers; parameters that
+    already hold values (e.g. adapters added after loading) keep them."""
+    pending = pending if pending is not None else set()
+    missing = []
+    for unit in engine.units:
+        for i, p in enumerate(unit.params):
+            source = bound.params.get(id(p))
+            if source is None:
+                if id(p) in bound.initialise:
+                    missing.append(unit.names[i][0])
+                continue
+            _write_owned_slice(unit, i, source)
+            pending.discard(id(p))
+    with torch.no_grad():
+        for name, p in engine.untouched.items():
+            source = bound.params.get(id(p))
+            if source is None:
+                if id(p) in bound.initialise:
+                    missing.append(name)
+                continue
+            if p.device.type == "meta":
+                set_parameter_data(p, torch.empty(p.shape, dtype=engine.policies.precision.compute_dtype, device=engine.device))
+            p.copy_(_read_whole(source))
+            pending.discard(id(p))
+        for module, attr, file, key in bound.buffers:
+            module._buffers[attr].copy_(_read_whole((file, key)))
+    if pending:
+        initialize_deferred(engine, pending)
+    return {"missing": missing, "unexpected": list(bound.unexpected)}
+
+
 def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[str, list]:
     """Fill the engine's parameters from safetensors weights, each rank reading only
     what it keeps; parameters missing from the files are initialised reproducibly
     (deferred ones) or left as they are.  ``path``: a file, a directory, or a mapping
-    ``{submodule name: file or directory}``.  Returns ``{"missing": [...], "unexpected": [...]}``."""
-    from safetensors import safe_open
-
+    ``{submodule name: file or directory}``, or :class:`BoundWeights` (from :func:`bind`).  Returns ``{"missing": [...], "unexpected": [...]}``."""
+    if isinstance(path, BoundWeights):
+        return _load_bound(engine, path, pending)
     files = _sources(path)
-
-    @contextlib.contextmanager
-    def handle(source):
-        # A fresh memory map per tensor: pages of a map stay resident (and count as
-        # this process's memory) until it is closed, so one long-lived map per file
-        # would grow to the whole file as its tensors are read.
-        with safe_open(str(source[0]), framework="pt") as h:
-            yield h, source[1]
-
     buffer_names = [n for n, _ in engine.module.named_buffers()]
     model_names = [n for u in engine.units for names in u.names for n in names] + list(engine.untouched) + buffer_names
     key_of = _key_resolver(model_names, files)
@@ -312,15 +367,7 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
                 not_provided.add(id(unit.params[i]))
                 continue
             used.add(key)
-            owned = unit.params_store.owned_range(i)
-            if owned is None:
-                continue
-            a, b = owned
-            with handle(files[key]) as (h, file_key):
-                values = _read_flat_range(h, file_key, a, b).clone()
-            if values.numel() != b - a:
-                raise ValueError(f"{files[key][0]}: {files[key][1]} has {values.numel()} elements in [{a}, {b}), expected {b - a}; shape mismatch?")
-            unit.params_store.write(i, values.to(torch.float32), start=a)
+            _write_owned_slice(unit, i, files[key])
     with torch.no_grad():
         for name, p in engine.untouched.items():
             key = key_of(name)
@@ -328,8 +375,7 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
                 if p.device.type == "meta":
                     set_parameter_data(p, torch.empty(p.shape, dtype=engine.policies.precision.compute_dtype, device=engine.device))
                     (pending or set()).discard(id(p))
-                with handle(files[key]) as (h, file_key):
-                    p.copy_(h.get_tensor(file_key))
+                p.copy_(_read_whole(files[key]))
                 used.add(key)
             else:
                 missing.append(name)
@@ -337,8 +383,7 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
         for name, b in engine.module.named_buffers():
             key = key_of(name)
             if key is not None:
-                with handle(files[key]) as (h, file_key):
-                    b.copy_(h.get_tensor(file_key))
+                b.copy_(_read_whole(files[key]))
                 used.add(key)
     if pending:
         provided = pending - not_provided
@@ -347,3 +392,134 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
             initialize_deferred(engine, pending)
     unexpected = sorted(set(files) - used)
     return {"missing": missing, "unexpected": unexpected}
+
+
+# ----------------------------------------------------------------------------------------
+# binding checkpoint tensors to parameter objects (partitioned from_pretrained)
+# ----------------------------------------------------------------------------------------
+class CheckpointBinding:
+    """Which tensor of a checkpoint fills which parameter or buffer of a model.
+
+    Decided by name when the model is built, before anything wraps it, and kept by
+    object (module and attribute): a wrapper that renames modules afterwards (PEFT's
+    ``q_proj`` -> ``q_proj.base_layer``, a LightningModule holding the model) does not
+    change which tensor goes where.  ``resolve`` then checks, at engine time, that every
+    bound tensor still has its parameter and that no parameter lost its values."""
+
+    def __init__(self, model: nn.Module, folder, ignore_mismatched_sizes: bool = False,
+                 ignore_unexpected=(), ignore_missing=()) -> None:
+        import re
+
+        from safetensors import safe_open
+
+        self.folder = str(folder)
+        self.files = _weight_files(folder)
+        shapes = {}
+        for key, f in self.files.items():
+            with safe_open(str(f), framework="pt") as h:
+                shapes[key] = tuple(h.get_slice(key).get_shape())
+        owners: Dict[int, list] = {}  # id(tensor) -> [(module, attribute, full name)], aliases of tied tensors
+        tensors: Dict[int, torch.Tensor] = {}
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            lead = f"{prefix}." if prefix else ""
+            persistent = [(n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
+            for attr, t in [*module._parameters.items(), *persistent]:
+                if t is not None:
+                    owners.setdefault(id(t), []).append((module, attr, lead + attr))
+                    tensors[id(t)] = t
+        key_of = _key_resolver([n for aliases in owners.values() for _, _, n in aliases], self.files)
+        self.entries = []  # (module ref, attribute, key, name)
+        self.missing: list = []  # names the checkpoint does not hold (initialised by the model, as from_pretrained does)
+        self.mismatched: list = []  # (name, checkpoint shape, model shape)
+        self._missing_refs = []
+        used = set()
+        for tid, aliases in owners.items():
+            found = next(((m, a, n, key_of(n)) for m, a, n in aliases if key_of(n) is not None), None)
+            shape = tuple(tensors[tid].shape)
+            if found is not None and shapes[found[3]] != shape:
+                module, attr, name, key = found
+                used.add(key)
+                if not ignore_mismatched_sizes:
+                    raise ValueError(
+                        f"{self.folder}: {key} has shape {list(shapes[key])} but {name} of {type(model).__name__} has "
+                        f"shape {list(shape)}; pass ignore_mismatched_sizes=True to from_pretrained to initialise it instead"
+                    )
+                self.mismatched.append((name, torch.Size(shapes[key]), torch.Size(shape)))
+                found = None
+            if found is None:
+                module, attr, name = aliases[0]
+                if isinstance(tensors[tid], nn.Parameter):
+                    self._missing_refs.append((weakref.ref(module), attr))
+                if not any(re.search(p, name) for p in ignore_missing) and not any(name == m[0] for m in self.mismatched):
+                    self.missing.append(name)
+                continue
+            module, attr, name, key = found
+            used.add(key)
+            self.entries.append((weakref.ref(module), attr, key, name))
+        self.unexpected = sorted(k for k in set(self.files) - used if not any(re.search(p, k) for p in ignore_unexpected))
+
+    def loading_info(self) -> dict:
+        """What ``from_pretrained(..., output_loading_info=True)`` returns next to the model."""
+        return {"missing_keys": set(self.missing), "unexpected_keys": set(self.unexpected),
+                "mismatched_keys": set(self.mismatched), "error_msgs": []}
+
+
+class BoundWeights:
+    """The bindings of the pretrained models inside one model, resolved to its current
+    parameter objects; what ``initialize(pretrained=...)`` receives from the integrations."""
+
+    def __init__(self, params, buffers, initialise, unexpected, folders) -> None:
+        self.params = params  # id(parameter) -> (file, key, name)
+        self.buffers = buffers  # [(module, attribute, file, key)]
+        self.initialise = initialise  # ids of parameters the checkpoints do not hold
+        self.unexpected = unexpected
+        self.folders = folders
+
+
+def bind(root: nn.Module, bindings) -> BoundWeights:
+    """Resolve ``bindings`` (CheckpointBinding objects of models inside ``root``) against
+    ``root`` as it is now.  Raises, naming them, if a bound checkpoint tensor no longer
+    has a parameter or buffer inside ``root`` (a wrapper replaced it), or if a parameter
+    of ``root`` is on the meta device with no known values: not bound, not missing from
+    a checkpoint, and not created inside :func:`init_context` (something moved it to the
+    meta device, which discards values).  Nothing is ever left silently random."""
+    live_params = {id(p) for p in root.parameters()}
+    live = live_params | {id(b) for b in root.buffers()}
+    params, buffers, initialise, unexpected, lost = {}, [], set(), [], []
+    for binding in bindings:
+        for ref, attr, key, name in binding.entries:
+            module = ref()
+            tensor = None if module is None else (module._parameters.get(attr) if attr in module._parameters else module._buffers.get(attr))
+            if tensor is None or id(tensor) not in live:
+                lost.append(f"{key} (was {name})")
+            elif attr in module._parameters:
+                params[id(tensor)] = (binding.files[key], key, name)
+            else:
+                buffers.append((module, attr, binding.files[key], key))
+        for ref, attr in binding._missing_refs:
+            module = ref()
+            p = None if module is None else module._parameters.get(attr)
+            if p is not None and id(p) in live_params:
+                initialise.add(id(p))
+        unexpected += binding.unexpected
+    names = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    unknown = [names[id(p)] for p in root.parameters()
+               if p.device.type == "meta" and id(p) not in params and id(p) not in initialise
+               and not getattr(p, "_zero_deferred", False)]
+    if lost or unknown:
+        folders = ", ".join(sorted({b.folder for b in bindings}))
+        parts = []
+        if lost:
+            parts.append(f"{len(lost)} checkpoint tensor(s) in {folders} no longer have their parameter in "
+                         f"{type(root).__name__} (a wrapper replaced the module or parameter after from_pretrained): "
+                         + ", ".join(lost[:20]) + (" ..." if len(lost) > 20 else ""))
+        if unknown:
+            parts.append(f"{len(unknown)} parameter(s) of {type(root).__name__} are on the meta device with no values to "
+                         "load or initialise (something moved them to 'meta' after from_pretrained, which discards "
+                         "values): " + ", ".join(unknown[:20]) + (" ..." if len(unknown) > 20 else ""))
+        raise ValueError("partitioned loading refused, nothing would be loaded exactly: " + "; ".join(parts)
+                         + ". Build the model's wrappers so that they keep the parameters from_pretrained created, "
+                         "or load without zero3_init_flag")
+    return BoundWeights(params, buffers, initialise, unexpected, sorted({b.folder for b in bindings}))

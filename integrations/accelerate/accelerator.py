@@ -180,7 +180,7 @@ class ZeroAccelerator(Accelerator):
         # What the stock from_pretrained would have said about the checkpoint.
         if not self.is_main_process or not report:
             return
-        source = ", ".join(sorted(set(sources.values())))
+        source = ", ".join(sources.folders)
         if report.get("missing"):
             warnings.warn(
                 f"Some weights of {type(model).__name__} were not in {source} and were newly initialised: "

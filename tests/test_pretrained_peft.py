@@ -1,0 +1,150 @@
+"""Partitioned loading (zero3_init_flag) loads exactly whatever wraps the model, or fails.
+
+The references are independent of zero_strategy's loading: the checkpoint's own tensors
+(read with safetensors), PEFT's documented initialisation (lora_B = 0), and the same
+unchanged PEFT script under a plain DDP config (stock from_pretrained), launched with
+the real ``accelerate launch`` on 2 CPU processes (machinery of tests/test_accelerate.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from test_accelerate import Launcher, _close, _write_config  # noqa: E402
+
+from zero_strategy.integrations import pretrained as P  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("peft_lora_loop.py")
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def _save_llama(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    if not folder.exists():
+        torch.manual_seed(11)
+        LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)).save_pretrained(folder)
+    return folder
+
+
+def _checkpoint(folder: Path):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _peft_name(key: str) -> str:
+    """The name PEFT gives checkpoint key ``key`` once LoRA wraps q_proj / v_proj."""
+    for target in LORA_TARGETS:
+        key = key.replace(f".{target}.weight", f".{target}.base_layer.weight")
+    return "base_model.model." + key
+
+
+# ---------------------------------------------------------------------------------------
+# 2 processes through accelerate launch
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("peft")
+    launcher = Launcher(root)
+    launcher.configs["zero3_init"] = _write_config(root / "zero3_init.yaml", 3, "  zero3_init_flag: true\n")
+    model = _save_llama(root / "llama")
+    out = {}
+    for name in ("ddp", "zero3_init"):
+        folder = root / name
+        launcher.run(launcher.command(name, SCRIPT, ["--model", str(model), "--out", str(folder)]),
+                     reference_output=folder / "out.json" if name == "ddp" else None)
+        out[name] = (json.loads((folder / "out.json").read_text()), folder)
+    return model, out
+
+
+def _load(folder: Path, name: str):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / name))
+
+
+@pytest.mark.slow
+def test_lora_over_partitioned_from_pretrained_loads_the_base_weights_exactly(runs):
+    model, out = runs
+    (ref, ref_folder), (got, folder) = out["ddp"], out["zero3_init"]
+    assert got["accelerator_class"] == "ZeroAccelerator" and got["num_processes"] == 2
+    assert got["built_on_meta"] == [True, True] and ref["built_on_meta"] == [False, False]
+    checkpoint = _checkpoint(model)
+    for when in ("initial.safetensors", "final.safetensors"):  # the base is frozen: unchanged by training
+        weights = _load(folder, when)
+        for key, tensor in checkpoint.items():
+            name = _peft_name(key)
+            assert name in weights, (when, key, name)
+            assert weights[name].dtype == tensor.dtype and torch.equal(weights[name], tensor), (when, key)
+    initial, ref_initial = _load(folder, "initial.safetensors"), _load(ref_folder, "initial.safetensors")
+    assert sorted(initial) == sorted(ref_initial)
+    lora_b = [k for k in initial if ".lora_B." in k]
+    lora_a = [k for k in initial if ".lora_A." in k]
+    assert len(lora_b) == len(lora_a) == 2 * len(LORA_TARGETS)
+    assert all(torch.count_nonzero(initial[k]) == 0 for k in lora_b)  # as PEFT initialises it
+    for k in lora_a:  # PEFT's random init, drawn from the same seed as under DDP
+        assert torch.count_nonzero(initial[k]) > 0 and torch.equal(initial[k], ref_initial[k]), k
+    # first step (and the following ones) as the DDP reference, per rank
+    assert _close(got["losses"][0], ref["losses"][0], rtol=1e-6), (got["losses"], ref["losses"])
+    assert _close(got["losses"], ref["losses"], rtol=1e-5), (got["losses"], ref["losses"])
+    assert got["losses"][-1] != got["losses"][0]  # the adapters train
+
+
+# ---------------------------------------------------------------------------------------
+# One process: what cannot be loaded exactly is an error, listing it
+# ---------------------------------------------------------------------------------------
+@pytest.fixture()
+def llama(tmp_path):
+    return _save_llama(tmp_path / "llama")
+
+
+def _partitioned(folder):
+    from transformers import LlamaForCausalLM
+
+    with P.partitioned_loading():
+        return LlamaForCausalLM.from_pretrained(folder)
+
+
+def test_a_replaced_module_is_an_error_naming_its_checkpoint_tensors(llama):
+    model = _partitioned(llama)
+    model.model.layers[1].mlp.down_proj = nn.Linear(64, 32, bias=False)  # a wrapper swapping a module
+    with pytest.raises(ValueError) as info:
+        P.sources_in(model)
+    message = str(info.value)
+    assert "model.layers.1.mlp.down_proj.weight" in message and "no longer have their parameter" in message
+
+
+def test_a_parameter_moved_to_meta_with_no_values_is_an_error(llama):
+    model = _partitioned(llama)
+    with torch.device("meta"):  # values that exist nowhere, unlike the guarded .to("meta")
+        model.lm_head = nn.Linear(32, 64, bias=False)
+    with pytest.raises(ValueError) as info:
+        P.sources_in(model)
+    message = str(info.value)
+    assert "lm_head.weight" in message and "no values" in message
+
+
+def test_lora_wrapped_model_resolves_every_checkpoint_tensor(llama):
+    from peft import LoraConfig, get_peft_model
+
+    checkpoint = _checkpoint(llama)
+    model = get_peft_model(_partitioned(llama), LoraConfig(r=4, target_modules=list(LORA_TARGETS)))
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert lora and not any(p.is_meta for p in lora)  # PEFT's values kept (it moves them to the base's device)
+    assert all(torch.count_nonzero(p) == 0 for n, p in model.named_parameters() if "lora_B" in n)
+    bound = P.sources_in(model)
+    names = dict(model.named_parameters())
+    assert sorted(key for _, key, _ in bound.params.values()) == sorted(checkpoint)
+    for pid, (_, key, _) in bound.params.items():
+        assert id(names[_peft_name(key)]) == pid, key  # bound to the very parameter PEFT renamed
+    assert bound.unexpected == [] and bound.initialise == set()
