@@ -88,6 +88,24 @@ def test_layer_sync_lr_monitor_and_backward_warning(tmp_path):
         assert "on_before_backward" in got[0]["backward_warnings"][0]
 
 
+@pytest.mark.slow
+def test_lightning_cli_takes_zero_options_as_init_args(tmp_path):
+    """#14 item 10: a real LightningCLI run with ZeRO options as init_args, on the command
+    line and in a YAML class_path/init_args, runs zero3 with every parameter partitioned and
+    trains like ``--trainer.strategy ddp``."""
+    pytest.importorskip("jsonargparse")
+    _scenario("cli", tmp_path)
+    for tag in ("cli-flags", "cli-yaml"):
+        for r in (0, 1):
+            got, ref = _load(tmp_path, tag, r), _load(tmp_path, "cli-ddp", r)
+            expected = {"stage": 3, "param_persistence_threshold": 0,
+                        "reduce_bucket_size": 4096 if tag == "cli-yaml" else 5_000_000}
+            assert got["config"] == expected, (tag, got["config"])
+            # Threshold 0: every parameter is partitioned, each rank holds about half.
+            assert got["param_bytes"] <= 0.55 * got["full_bytes"], got
+            _assert_close_seq(got["losses"], ref["losses"], 1e-5, 1e-7, f"{tag} rank {r} vs ddp")
+
+
 def _weights(out, tag):
     import torch
 
@@ -281,6 +299,47 @@ def scenario_layers(run):
                  running_mean=bn.running_mean.tolist(), running_var=bn.running_var.tolist(),
                  lr_keys=sorted(lr_monitor.lrs), backward_calls=model.backward_calls,
                  backward_warnings=[str(w.message) for w in caught if "backward is overridden" in str(w.message)])
+
+
+def scenario_cli(run):
+    from lightning.pytorch.cli import LightningCLI
+
+    _, Net = _classes(run.pl)
+
+    class CLINet(Net):
+        def train_dataloader(self):
+            return _data(8)
+
+    yaml = run.out / f"zero.rank{_rank()}.yaml"  # each process writes its own (no race)
+    yaml.write_text(
+        "trainer:\n"
+        "  strategy:\n"
+        "    class_path: zero_strategy.integrations.lightning.ZeroStrategy\n"
+        "    init_args:\n"
+        "      stage: 3\n"
+        "      param_persistence_threshold: 0\n"
+        "      reduce_bucket_size: 4096\n"
+    )
+    common = ["fit", "--seed_everything=0", "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.max_epochs=1",
+              "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+              "--trainer.enable_model_summary=false"]
+    runs = {
+        "cli-flags": ["--trainer.strategy=zero_strategy.integrations.lightning.ZeroStrategy",
+                      "--trainer.strategy.init_args.stage=3", "--trainer.strategy.init_args.param_persistence_threshold=0"],
+        "cli-yaml": [f"--config={yaml}"],
+        "cli-ddp": ["--trainer.strategy=ddp"],
+    }
+    for tag, args in runs.items():
+        cli = LightningCLI(CLINet, args=[common[0], *args, *common[1:]], save_config_callback=None)
+        trainer, model = cli.trainer, cli.model
+        data = {"losses": model.losses, "full_bytes": sum(p.numel() * 4 for p in model.parameters())}
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            cfg = engine.config
+            data["config"] = {"stage": cfg.stage, "param_persistence_threshold": cfg.param_persistence_threshold,
+                              "reduce_bucket_size": cfg.reduce_bucket_size}
+            data["param_bytes"] = engine.memory_report()["parameters"]
+        run.dump(tag, trainer, **data)
 
 
 def _main(argv):

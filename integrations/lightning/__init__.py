@@ -28,6 +28,7 @@ import importlib
 import sys
 
 from ._common import STRATEGY_NAMES
+from ._messages import install_name_help, install_precision_note
 
 __all__ = [
     "ZeroStrategy",
@@ -72,6 +73,9 @@ def _register(registry, kind: str, namespace: str) -> None:
         if name in registry:
             continue  # never replace a user's own registration (or ours, twice)
         registry.register(name, factory, description=description, **params)
+    # What the connectors say about a mistyped name and about AMP (see _messages).
+    install_name_help(registry)
+    install_precision_note()
 
 
 def _register_from_hook(module, kind: str, namespaces, registry_attr: str) -> None:

@@ -41,14 +41,48 @@ STRATEGY_NAMES = {
 def base_config(stage: Optional[int], config: Any, options: Mapping[str, Any]):
     """Validate the strategy's arguments now (a typo fails when the Trainer is built,
     not inside a collective) and return the ZeroConfig before precision is known.
-    Keyword options override the config (file)."""
+    Keyword options override the config (file); None means "the config's value"
+    (what LightningCLI passes for every option the user did not set)."""
     from zero_strategy import ZeroConfig
 
     cfg = ZeroConfig.coerce(config)
-    changes = dict(options)
+    changes = {k: v for k, v in options.items() if v is not None}
     if stage is not None:
         changes["stage"] = stage
     return cfg.replace(**changes) if changes else cfg
+
+
+def with_config_options(cls: type) -> type:
+    """Give ``cls.__init__`` a signature that names every ZeroConfig field.
+
+    Why: the strategies take ZeRO options as ``**options`` (the config decides what
+    exists), but tools that build objects from signatures -- LightningCLI through
+    jsonargparse, ``--trainer.strategy.init_args.param_persistence_threshold 0`` or a
+    YAML ``class_path``/``init_args`` -- reject a name the signature does not list.  The
+    advertised signature replaces ``**options`` with one keyword-only parameter per field
+    (annotated with the field's type, default None = the config's value); the real
+    ``__init__`` still takes ``**options``, so nothing else changes."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from zero_strategy import ZeroConfig
+
+    init = cls.__init__
+    signature = inspect.signature(init)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    taken = {p.name for p in params}
+    hints = typing.get_type_hints(ZeroConfig)
+    for field in dataclasses.fields(ZeroConfig):
+        if field.name in taken:
+            continue
+        kind = hints.get(field.name, Any)
+        if kind is tuple:  # names of module classes, e.g. unit_modules
+            kind = typing.Tuple[str, ...]
+        params.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Optional[kind]))
+    init.__signature__ = signature.replace(parameters=params)
+    return cls
 
 
 def engine_precision(flag: str, config_precision: str) -> str:
@@ -87,7 +121,7 @@ def requested_precision_flag() -> Optional[str]:
         frame = sys._getframe(1)
     except Exception:  # noqa: BLE001 - interpreters without frames
         return None
-    for _ in range(12):
+    for _ in range(25):  # from a log filter inside the connector it is ~12 frames up
         if frame is None:
             break
         owner = frame.f_locals.get("self")

@@ -38,9 +38,11 @@ from ._common import (
     initialize_engine,
     partitioned_init,
     resolve_plugin_flag,
+    with_config_options,
 )
 from ._fabric_files import OBJECTS_KEY as _OBJECTS_KEY
 from ._fabric_files import load_single_file
+from ._messages import install_precision_note
 from ._process_group import ZeroProcessGroupMixin
 
 __all__ = ["ZeroFabricStrategy", "ZeroFabricPrecision"]
@@ -69,6 +71,7 @@ class _EngineNoSync(_BackwardSyncControl):
         return engine.no_sync()
 
 
+@with_config_options
 class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
     """ZeRO data parallelism (zero_strategy) for Lightning Fabric; options as ZeroStrategy."""
 
@@ -290,3 +293,7 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
 
     def get_optimizer_state(self, optimizer) -> dict:
         return {}  # sharded: saved by save_checkpoint
+
+
+# Lightning logs its AMP line before the strategy sees the plugin (see _messages).
+install_precision_note()

@@ -50,8 +50,10 @@ from ._common import (
     partitioned_init,
     release_engine,
     resolve_plugin_flag,
+    with_config_options,
     split_client_state,
 )
+from ._messages import install_precision_note
 from ._process_group import ZeroProcessGroupMixin
 
 __all__ = ["ZeroStrategy", "ZeroPrecision"]
@@ -129,6 +131,7 @@ class ZeroPrecision(Precision):
         self._engine().clip_grad_value_(float(clip_val))
 
 
+@with_config_options
 class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
     """ZeRO data parallelism (zero_strategy) for the Lightning Trainer.
 
@@ -398,3 +401,7 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+
+
+# Lightning logs its AMP line before the strategy sees the plugin (see _messages).
+install_precision_note()
