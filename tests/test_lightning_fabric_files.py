@@ -25,7 +25,8 @@ def test_fabric_loads_single_files_and_skips_init_when_asked(tmp_path):
     from a ZeRO directory all load into a set-up ZeRO model with ddp's weights (``load`` and
     ``load_raw``); the optimizer state of a single file is reported as not restored.
     ``init_module(empty_init=True)`` skips weight initialisation at stages 1-2 as it does
-    under ddp, and initialises when empty_init is False."""
+    under ddp, and initialises when empty_init is False.  ``fabric.save`` to a per-rank
+    name writes one directory, at rank 0's path."""
     import torch
 
     _run(HERE, tmp_path)
@@ -36,6 +37,7 @@ def test_fabric_loads_single_files_and_skips_init_when_asked(tmp_path):
         for r in (0, 1):
             got = json.loads((tmp_path / f"{s}.rank{r}.json").read_text())
             assert got["step"] == 3 and got["consolidated_step"] == 3, got
+            assert got["per_rank_dirs"] == [f"{s}-rank0-dir"], got["per_rank_dirs"]
             assert "cannot be loaded into the sharded ZeRO optimizer" in got["raw_optimizer_error"], got
             assert len(got["optimizer_warnings"]) == (1 if r == 0 else 0), got
     ref = [json.loads((tmp_path / f"init-ddp.rank{r}.json").read_text()) for r in (0, 1)]
@@ -120,6 +122,9 @@ def _main(out):
         except NotImplementedError as e:
             info["raw_optimizer_error"] = str(e)
 
+        # A per-rank name: every rank writes to rank 0's path (one directory).
+        fabric.save(out / f"{s}-rank{fabric.global_rank}-dir", {"model": model, "optimizer": optimizer, "step": 3})
+        info["per_rank_dirs"] = sorted(p.name for p in out.glob(f"{s}-rank*-dir"))
         # Our directory, consolidated into one file, loads back the same way.
         fabric.save(out / f"{s}-dir", {"model": model, "optimizer": optimizer, "step": 3})
         if fabric.global_rank == 0:

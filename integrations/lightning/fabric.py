@@ -248,7 +248,8 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
                 client[k] = v.state_dict()
             else:
                 client[k] = v
-        engine.save_checkpoint(Path(path), client_state=client)
+        # Rank 0's path, as Lightning's own strategies do (a name may be formatted per rank).
+        engine.save_checkpoint(Path(self.broadcast(str(path))), client_state=client)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None):
         """Restore into ``state`` in place; returns what the checkpoint holds beyond the
