@@ -6,7 +6,8 @@ A checkpoint is a directory::
     .zero_strategy           written first: marks the directory as ours (checkpoint_files.py)
     manifest.json            written by rank 0, last: describes every tensor and file
     rank00000.safetensors    one per rank: that rank's slices (values, fp32 master,
-    rank00001.safetensors    per-element optimizer state) plus scalar optimizer state
+    rank00001.safetensors    per-element optimizer state) plus per-parameter scalar
+                             optimizer state and which parameters have state at all
     rank00000.json           per rank: RNG states and non-tensor optimizer state
     shared.safetensors       rank 0: buffers and parameters that are not partitioned
     client_state.pt          rank 0: the caller's extra state (trainer loops, ...)
@@ -38,6 +39,7 @@ agreement of all ranks ([Note: every rank fails together] in checkpoint_sync.py)
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -61,7 +63,7 @@ MANIFEST = files.MANIFEST
 CLIENT_STATE = "client_state.pt"
 SHARED = "shared.safetensors"
 CONFIG = "config.json"
-_KEY = re.compile(r"^unit(\d+)\.(value|optim\.(.+)|optim_scalar\.(.+))$")
+_KEY = re.compile(r"^unit(\d+)\.(value|optim\.(.+)|optim_scalar\.(.+)|optim_present)$")
 
 __all__ = ["CheckpointError", "CheckpointReader", "FORMAT_VERSION", "consolidate", "load_checkpoint",
            "load_client_state", "load_consolidated_state_dict", "save_checkpoint"]
@@ -132,6 +134,11 @@ def _jsonable(v) -> bool:
 
 
 def _rank_payload(engine) -> Tuple[Dict[str, torch.Tensor], dict]:
+    """This rank's file: values, then the optimizer state of every parameter piece it
+    holds ([Note: one optimizer tensor per parameter] in flat_unit.py).  Per-element state
+    is laid out in the unit's flat shard space (resharding is slice arithmetic); scalar
+    state (e.g. Adam's step) is one entry per parameter position in the unit, and
+    ``optim_present`` says which parameters have state (one never stepped has none)."""
     tensors: Dict[str, torch.Tensor] = {}
     extra: dict = {"optimizer_scalars": {}}
     state = engine.inner_optimizer.state if engine.inner_optimizer is not None else {}
@@ -139,13 +146,36 @@ def _rank_payload(engine) -> Tuple[Dict[str, torch.Tensor], dict]:
         tensors[f"unit{u.index}.value"] = u.params_store.local_values().detach().float().cpu()
         if not u.trainable:
             continue
-        for key, v in state.get(u.optim_param, {}).items():
-            if isinstance(v, torch.Tensor) and v.numel() == u.layout.shard_numel and v.dim() == 1:
-                tensors[f"unit{u.index}.optim.{key}"] = v.detach().cpu()
-            elif isinstance(v, torch.Tensor):
-                tensors[f"unit{u.index}.optim_scalar.{key}"] = v.detach().cpu().reshape(-1).clone()
-            else:
-                extra["optimizer_scalars"][f"{u.index}.{key}"] = v
+        n = len(u.params)
+        present = torch.zeros(n, dtype=torch.uint8)
+        elements: Dict[str, torch.Tensor] = {}
+        scalars: Dict[str, torch.Tensor] = {}
+        for t, (i, s_start, length) in zip(u.optim_params, u.optim_slices):
+            st = state.get(t, {})
+            if st:
+                present[i] = 1
+            for key, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(t.shape):
+                    if key not in elements:
+                        elements[key] = torch.zeros(u.layout.shard_numel, dtype=v.dtype)
+                    elements[key][s_start : s_start + length] = v.detach().reshape(-1).cpu()
+                elif isinstance(v, torch.Tensor) and v.dim() == 0:
+                    if key not in scalars:
+                        scalars[key] = torch.zeros(n, dtype=v.dtype)
+                    scalars[key][i] = v.detach().cpu()
+                elif isinstance(v, torch.Tensor):
+                    raise CheckpointError(
+                        f"optimizer state {key!r} of {u.names[i][0]} has shape {tuple(v.shape)}: neither one value per "
+                        f"element (shape {tuple(t.shape)}) nor a scalar, so it cannot be sharded and resharded; "
+                        f"{type(engine.inner_optimizer).__name__} is not supported by sharded checkpoints"
+                    )
+                else:
+                    extra["optimizer_scalars"][f"{u.index}.{i}.{key}"] = v
+        tensors[f"unit{u.index}.optim_present"] = present
+        for key, v in elements.items():
+            tensors[f"unit{u.index}.optim.{key}"] = v
+        for key, v in scalars.items():
+            tensors[f"unit{u.index}.optim_scalar.{key}"] = v
     extra["rng_cpu"] = torch.get_rng_state().tolist()
     if torch.cuda.is_available():
         extra["rng_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
@@ -304,9 +334,17 @@ class CheckpointReader:
         self.version = m["format_version"]
         self.world = m["world_size"]
         self.units = {u["index"]: u for u in m["units"]}
+        # Each partitioned tensor's position inside its unit (the manifest lists them in order).
+        self.params_in_unit: Dict[int, int] = {}
+        self.position: Dict[int, int] = {}  # id(entry) -> position
+        for entry in m["tensors"]:
+            if entry["unit"] is not None:
+                self.position[id(entry)] = self.params_in_unit.get(entry["unit"], 0)
+                self.params_in_unit[entry["unit"]] = self.position[id(entry)] + 1
         self.digest = layout_digest(self.world, m["units"], m["tensors"])
         self.table: Optional[dict] = m.get("files") if self.version >= 2 else None
         self._handles: Dict[str, object] = {}
+        self._key_sets: Dict[int, frozenset] = {}
         if self.version < 2:
             warnings.warn(
                 f"{path} is a format-version-{self.version} checkpoint: it has no checksums or file identities, so a "
@@ -385,7 +423,13 @@ class CheckpointReader:
                 raise CheckpointError(f"{path} holds {key!r}, which the manifest's units do not explain")
             index = int(match.group(1))
             shape = _shape(f, key, path)
-            if match.group(4) is None and shape != [self.units[index]["shard_numel"]]:
+            per_param = key.endswith(".optim_present") or (match.group(4) is not None and self.version >= 3)
+            if per_param:
+                if shape != [self.params_in_unit.get(index, 0)]:
+                    raise CheckpointError(
+                        f"{path}: {key} has shape {shape} but unit {index} holds {self.params_in_unit.get(index, 0)} parameters"
+                    )
+            elif match.group(4) is None and shape != [self.units[index]["shard_numel"]]:
                 raise CheckpointError(
                     f"{path}: {key} has shape {shape} but unit {index}'s shards hold {self.units[index]['shard_numel']} elements"
                 )
@@ -444,7 +488,16 @@ class CheckpointReader:
             raise CheckpointError(f"{path}: cannot read {key}[{lo}:{hi}] ({e})") from None
 
     def has_key(self, rank: int, key: str) -> bool:
-        return key in self._open(_rank_file(self.directory, rank, "safetensors")).keys()
+        return key in self._keys(rank)
+
+    def _keys(self, rank: int) -> frozenset:
+        if rank not in self._key_sets:
+            self._key_sets[rank] = frozenset(self._open(_rank_file(self.directory, rank, "safetensors")).keys())
+        return self._key_sets[rank]
+
+    def keys_with_prefix(self, rank: int, prefix: str) -> List[str]:
+        """The suffixes of rank ``rank``'s tensor keys that start with ``prefix``, sorted."""
+        return sorted(k[len(prefix):] for k in self._keys(rank) if k.startswith(prefix))
 
     def rank_json(self, rank: int) -> dict:
         path = _rank_file(self.directory, rank, "json")
@@ -465,8 +518,10 @@ class CheckpointReader:
         if not isinstance(cuda, list) or not all(isinstance(s, list) and all(isinstance(b, int) and 0 <= b < 256 for b in s) for s in cuda):
             raise CheckpointError(f"{path}: rng_cuda must be lists of bytes")
         scalars = rj.get("optimizer_scalars", {})
-        if not isinstance(scalars, dict) or not all(re.fullmatch(r"\d+\..+", k) for k in scalars):
-            raise CheckpointError(f"{path}: optimizer_scalars must map '<unit>.<key>' to values")
+        pattern = r"\d+\.\d+\..+" if self.version >= 3 else r"\d+\..+"
+        if not isinstance(scalars, dict) or not all(re.fullmatch(pattern, k) for k in scalars):
+            shown = "'<unit>.<position>.<key>'" if self.version >= 3 else "'<unit>.<key>'"
+            raise CheckpointError(f"{path}: optimizer_scalars must map {shown} to values")
         return rj
 
     def shared(self, key: str) -> torch.Tensor:
@@ -536,6 +591,7 @@ class CheckpointReader:
 
     def close(self) -> None:
         self._handles.clear()
+        self._key_sets.clear()
 
 
 def _metadata(f) -> Dict[str, str]:
@@ -571,7 +627,7 @@ class _Plan:
     client: Optional[dict]
     by_name: Dict[str, dict]
     restore_optimizer: bool
-    old_rank_scalars: dict
+    rank_json: object  # rank -> that rank's JSON sidecar, read once
 
 
 def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_only: Optional[bool] = True) -> Optional[dict]:
@@ -632,13 +688,15 @@ def _plan_load(engine, path: Path, allow_reshard: bool, weights_only) -> _Plan:
         restore_optimizer = opt is not None and old_optimizer is not None
         if restore_optimizer and old_optimizer["cls"] != type(opt).__name__:
             raise CheckpointError(f"{reader.directory} holds {old_optimizer['cls']} state but the optimizer is {type(opt).__name__}")
-        old_rank_scalars = reader.rank_json(0).get("optimizer_scalars", {}) if restore_optimizer else {}
+        rank_json = functools.lru_cache(maxsize=None)(reader.rank_json)
+        if restore_optimizer:
+            rank_json(0)  # validated now, before the engine is touched
         if m["world_size"] == ws:
             reader.rank_json(comm.rank)  # validated now, applied later
     except BaseException:
         reader.close()
         raise
-    return _Plan(reader, client, by_name, restore_optimizer, old_rank_scalars)
+    return _Plan(reader, client, by_name, restore_optimizer, rank_json)
 
 
 def _apply(engine, plan: _Plan) -> None:
@@ -651,27 +709,15 @@ def _apply(engine, plan: _Plan) -> None:
             owned = store.owned_range(i)
             if owned is not None:
                 store.write(i, _read_tensor_range(reader, by_name[names[0]], *owned).to(u.device), start=owned[0])
-        state_keys = _old_state_keys(reader, u, by_name) if (restore_optimizer and u.trainable) else []
-        states = {k: torch.zeros(u.layout.shard_numel, dtype=torch.float32) for k in state_keys}
-        scalar_src = None
-        for i, t_start, s_start, length in u.layout.tensor_slices_in_shard(u.shard_index):
-            entry = by_name[u.names[i][0]]
-            for k in state_keys:
-                if entry["unit"] is not None and reader.has_key(0, f"unit{entry['unit']}.optim.{k}"):
-                    states[k][s_start : s_start + length] = reader.read_unit_range(entry["unit"], f"optim.{k}", entry["offset"] + t_start, length)
-            if scalar_src is None and entry["unit"] is not None:
-                scalar_src = entry["unit"]
         if restore_optimizer and u.trainable:
-            st = {k: v.to(u.optim_param.device) for k, v in states.items()}
-            if scalar_src is not None:
-                for key in _old_scalar_keys(reader, scalar_src):
-                    st[key] = reader._rank_tensor_slice(0, f"unit{scalar_src}.optim_scalar.{key}", 0, 1).reshape(()).clone()
-                for k, v in plan.old_rank_scalars.items():
-                    idx, key = k.split(".", 1)
-                    if int(idx) == scalar_src:
-                        st[key] = v
-            if st:
-                opt.state[u.optim_param] = st
+            lo = u.layout.shard_range(u.shard_index)[0]
+            for t, (i, s_start, length) in zip(u.optim_params, u.optim_slices):
+                t_start = lo + s_start - u.layout.offsets[i]
+                st = _saved_param_state(reader, by_name[u.names[i][0]], t_start, length, t, plan.rank_json)
+                if st:
+                    opt.state[t] = st
+                else:  # never stepped when saved: no state, as torch would have
+                    opt.state.pop(t, None)
     with torch.no_grad():
         for name, p in engine.untouched.items():
             p.copy_(reader.tensor(by_name[name]).view(p.shape))
@@ -745,20 +791,32 @@ def _check_model_matches(engine, reader, by_name: Dict[str, dict]) -> None:
         )
 
 
-def _old_state_keys(reader, unit, by_name) -> List[str]:
-    for names in unit.names:
-        entry = by_name[names[0]]
-        if entry["unit"] is not None:
-            prefix = f"unit{entry['unit']}.optim."
-            f = reader._open(_rank_file(reader.directory, 0, "safetensors"))
-            return sorted(k[len(prefix):] for k in f.keys() if k.startswith(prefix))
-    return []
-
-
-def _old_scalar_keys(reader, old_unit: int) -> List[str]:
-    prefix = f"unit{old_unit}.optim_scalar."
-    f = reader._open(_rank_file(reader.directory, 0, "safetensors"))
-    return sorted(k[len(prefix):] for k in f.keys() if k.startswith(prefix))
+def _saved_param_state(reader, entry: dict, t_start: int, length: int, like: torch.Tensor, rank_json) -> dict:
+    """The saved optimizer state of elements ``[t_start, t_start+length)`` of one
+    parameter, shaped like ``like`` (the optimizer tensor it is for); {} when the
+    checkpoint holds none (the parameter was frozen or had never been stepped)."""
+    old_unit = entry["unit"]
+    if old_unit is None:
+        return {}
+    first = entry["offset"] + t_start  # in the old unit's flat space
+    rank = first // reader.units[old_unit]["shard_numel"]  # the old rank holding our first element
+    pos = reader.position[id(entry)]
+    per_param = reader.version >= 3
+    if per_param:
+        present_key = f"unit{old_unit}.optim_present"
+        if not reader.has_key(rank, present_key) or int(reader._rank_tensor_slice(rank, present_key, pos, pos + 1)[0]) == 0:
+            return {}
+    st = {}
+    for key in reader.keys_with_prefix(rank, f"unit{old_unit}.optim."):
+        st[key] = reader.read_unit_range(old_unit, f"optim.{key}", first, length).view(like.shape).to(like.device)
+    at = pos if per_param else 0  # version 2 kept one scalar per unit
+    for key in reader.keys_with_prefix(rank, f"unit{old_unit}.optim_scalar."):
+        st[key] = reader._rank_tensor_slice(rank, f"unit{old_unit}.optim_scalar.{key}", at, at + 1).reshape(()).clone()
+    prefix = f"{old_unit}.{pos}." if per_param else f"{old_unit}."
+    for k, v in rank_json(rank if per_param else 0).get("optimizer_scalars", {}).items():
+        if k.startswith(prefix):
+            st[k[len(prefix):]] = v
+    return st
 
 
 # ----------------------------------------------------------------------------------------

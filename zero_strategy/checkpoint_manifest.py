@@ -28,8 +28,11 @@ from .dtypes import dtype_from_name
 from .loss_scale import LossScaler
 
 FORMAT = "zero_strategy.checkpoint"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no checksums or identities (loaded with a warning)
+FORMAT_VERSION = 3
+# Version 1: no checksums or identities (loaded with a warning).  Version 2: optimizer
+# state per unit (one scalar state per unit).  Version 3: per parameter, with
+# ``unit<i>.optim_present`` saying which parameters have state at all.
+READABLE_VERSIONS = (1, 2, 3)
 MAX_WORLD = 1 << 24
 MAX_NUMEL = 1 << 53
 FILE_NAME = re.compile(r"^(rank(\d{5})\.(safetensors|json)|shared\.safetensors|client_state\.pt|config\.json)$")

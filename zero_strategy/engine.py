@@ -135,6 +135,7 @@ class ZeroEngine:
         self._backward_synced = True  # the mode the running backward started in
         self._step_grad_ops: List[tuple] = []  # unscale / clip operations for this step's gradients
         self._overflow = False
+        self._used: Optional[Dict[int, List[bool]]] = None  # per unit: which parameters got a gradient
         self.last_load_report: Optional[Dict[str, list]] = None  # from pretrained=: missing / unexpected names
         existing = engine_of(model)
         if existing is not None:
@@ -182,7 +183,7 @@ class ZeroEngine:
         if optimizer is not None:
             per_group: Dict[int, list] = {}
             for u in self.trainable_units:
-                per_group.setdefault(u.group_index, []).append(u.optim_param)
+                per_group.setdefault(u.group_index, []).extend(u.optim_params)
             repoint_optimizer(optimizer, per_group)
             self.optimizer = ZeroOptimizer(self)
 
@@ -311,7 +312,7 @@ class ZeroEngine:
                 p.data = unit.param_view(full.to(unit.device), i).to(unit.orig_dtypes[i], copy=True)
                 p.grad = None
         for u in self.trainable_units:
-            u.optim_param.grad = None
+            u.set_optimizer_grads(None)
         for name, p in self.untouched.items():  # frozen parameters were cast to the compute dtype
             if p.dtype != self.orig_dtype_untouched[name]:
                 p.data = p.data.to(self.orig_dtype_untouched[name])
@@ -388,16 +389,39 @@ class ZeroEngine:
         self._check_grads_steppable(what)
         if self.reducer.busy:
             self.reducer.flush(self._synced)
-        overflow = False
-        if self.policies.precision.loss_scaling:
-            local = any(not bool(torch.isfinite(u.grads.reduced()).all()) for u in self.trainable_units)
-            flag = torch.tensor([1.0 if local else 0.0], device=self._device())
-            overflow = bool(self.comm.control_all_reduce(flag, "max", label="the fp16 overflow check").item() > 0)
-        self._overflow = overflow
+        self._overflow = overflow = self._agree_overflow_and_usage()
         inv_scale = 1.0 / self.scaler.scale
         self._step_grad_ops = [("mul", inv_scale)] if inv_scale != 1.0 else []
         self.phase = Phase.GRADS_READY
         return overflow
+
+    def _agree_overflow_and_usage(self) -> bool:
+        """One small all-reduce (max over ranks) of the fp16 overflow flag and of which
+        parameters got a gradient this step on any rank (the step leaves the others
+        alone, as DDP does: [Note: one optimizer tensor per parameter] in flat_unit.py).
+        Returns whether any rank overflowed."""
+        units = self.trainable_units
+        flags = [0.0]
+        if self.policies.precision.loss_scaling:
+            flags[0] = float(any(not bool(torch.isfinite(u.grads.reduced()).all()) for u in units))
+        for u in units:
+            received = u.grads.received
+            flags.extend(1.0 if i in received else 0.0 for i in range(len(u.params)))
+        agreed = torch.tensor(flags, device=self._device())
+        if len(flags) > 1 or self.policies.precision.loss_scaling:
+            agreed = self.comm.control_all_reduce(agreed, "max", label="the fp16 overflow check and the parameters that got gradients")
+        if agreed.device.type == "meta":  # a planning dry run: every parameter counts as used
+            self._used = None
+            return False
+        values = agreed.tolist()
+        self._used, at = {}, 1
+        for u in units:
+            self._used[u.index] = [v > 0 for v in values[at : at + len(u.params)]]
+            at += len(u.params)
+        return values[0] > 0
+
+    def _used_of(self, unit: FlatUnit):
+        return None if self._used is None else self._used.get(unit.index)
 
     def _device(self) -> torch.device:
         return self.units[0].device if self.units else torch.device("cpu")
@@ -406,7 +430,7 @@ class ZeroEngine:
         """This unit's gradient as the optimizer will see it: this rank's reduced slice,
         on the optimizer's device in fp32, with this step's unscale / clip applied."""
         g = unit.grads.reduced()
-        target = unit.optim_param
+        target = unit.params_store.optimizer_target
         if not self._step_grad_ops and g.dtype == target.dtype and g.device == target.device:
             return g
         out = g.to(device=target.device, dtype=target.dtype, copy=True)
@@ -476,7 +500,7 @@ class ZeroEngine:
             return False
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping)
-        step_units(self.inner_optimizer, self.trainable_units, self._step_grad)
+        step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of)
         self._all_gather_updated_params()
         self.scaler.update(False)
         self.last_step_skipped = False
@@ -525,7 +549,8 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         for u in self.trainable_units:
             u.grads.zero()
-            u.optim_param.grad = None
+            u.set_optimizer_grads(None)
+        self._used = None
         self._step_grad_ops = []
         self._reduced_by_sync = False
         if self.gatherer is not None:

@@ -8,15 +8,25 @@ one all-gather.  It is made of two owners and the unit's identity:
   storage and its sharded/gathering/gathered state;
 * a gradient storage from :mod:`~zero_strategy.grad_storage` (``unit.grads``, None for
   frozen units), chosen by the stage policy;
-* names, shapes, original dtypes, the layout, the param group and the tensor the
-  optimizer updates (``optim_param``).
+* names, shapes, original dtypes, the layout, the param group and the tensors the
+  optimizer updates (``optim_params``, see [Note: one optimizer tensor per parameter]).
+
+[Note: one optimizer tensor per parameter]
+The optimizer does not see the unit's flat shard as one tensor: it gets one view into
+it per parameter that overlaps this rank's shard (shaped like the parameter when the
+shard holds all of it, 1-D otherwise).  Communication stays flat; the update is
+per parameter, as in plain torch.  That is what makes a parameter that got no
+gradient in a step (an expert no token was routed to, a branch not taken) come out
+exactly as under DDP: its view gets no ``.grad``, so torch's optimizers skip it
+entirely, and neither weight decay nor momentum nor its own Adam step count moves.
+Padding belongs to no view, so it has no optimizer state.
 
 The unit itself decides nothing: the reducer and the gatherer say when to communicate,
 the engine says when to step.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -54,14 +64,32 @@ class FlatUnit:
             master_device=offload.optimizer_device or self.device,
         )
         self.grads = None
-        self.optim_param: Optional[nn.Parameter] = None
+        self.optim_params: List[nn.Parameter] = []
+        # (position in the unit, start in the shard, length) of each optimizer tensor.
+        self.optim_slices: List[Tuple[int, int, int]] = []
         if self.trainable:
             self.grads = grad_storage_for(
                 policies.stage.grad_storage, self.params, self.layout, self.shard_index,
                 compute_dtype=precision.compute_dtype, reduce_dtype=precision.reduce_dtype, device=self.device,
                 slice_device=offload.optimizer_device,
             )
-            self.optim_param = nn.Parameter(self.params_store.optimizer_target, requires_grad=True)
+            target = self.params_store.optimizer_target
+            for i, t_start, s_start, length in self.layout.tensor_slices_in_shard(self.shard_index):
+                piece = target[s_start : s_start + length]
+                if length == self.layout.numels[i]:
+                    piece = piece.view(self.shapes[i])
+                # A Parameter made from a view shares its storage: the update lands in the shard.
+                self.optim_params.append(nn.Parameter(piece, requires_grad=True))
+                self.optim_slices.append((i, s_start, length))
+
+    def set_optimizer_grads(self, grad: Optional[torch.Tensor], used: Optional[Sequence[bool]] = None) -> None:
+        """Give each optimizer tensor its part of ``grad`` (this rank's flat gradient
+        slice), or None where ``used[position]`` is False or ``grad`` is None."""
+        for t, (i, s_start, length) in zip(self.optim_params, self.optim_slices):
+            if grad is None or (used is not None and not used[i]):
+                t.grad = None
+            else:
+                t.grad = grad[s_start : s_start + length].view(t.shape)
 
     @property
     def state(self) -> ShardState:

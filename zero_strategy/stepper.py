@@ -17,7 +17,7 @@ the optimizer (they would run once per unit), every gradient is made first and
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.optim import optimizer as _optimizer_module
@@ -38,29 +38,47 @@ def steps_unit_by_unit(optimizer: torch.optim.Optimizer) -> bool:
     return not any(hooks) and not any(global_hooks)
 
 
-def step_units(optimizer: torch.optim.Optimizer, units: Sequence, grad_of: Callable) -> None:
+def step_units(optimizer: torch.optim.Optimizer, units: Sequence, grad_of: Callable,
+               used_of: Optional[Callable] = None) -> None:
     """Run ``optimizer`` over ``units`` (trainable FlatUnits) with ``grad_of(unit)`` as
-    each one's gradient, then refresh each unit's compute-dtype copy."""
+    each one's flat gradient slice, then refresh each unit's compute-dtype copy.
+
+    ``used_of(unit)`` says, per parameter position, whether the parameter got a gradient
+    on any rank; the others get no ``.grad`` and are skipped by the optimizer
+    ([Note: one optimizer tensor per parameter] in flat_unit.py)."""
+    used_of = used_of or (lambda u: None)
     if steps_unit_by_unit(optimizer):
-        for u in units:
-            u.optim_param.grad = grad_of(u)
-            _release_reduced(u)
-            optimizer.step()
-            u.optim_param.grad = None
-            u.params_store.refresh_compute_copy()
+        groups = optimizer.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for u in units:
+                # Only this unit's tensors in the groups: one step() costs O(unit), not O(model).
+                for gi, g in enumerate(groups):
+                    g["params"] = u.optim_params if gi == u.group_index else []
+                u.set_optimizer_grads(grad_of(u), used_of(u))
+                _release_reduced(u)
+                optimizer.step()
+                u.set_optimizer_grads(None)
+                u.params_store.refresh_compute_copy()
+        finally:
+            for g, params in zip(groups, saved):
+                g["params"] = params
         return
     for u in units:
-        u.optim_param.grad = grad_of(u)
+        u.set_optimizer_grads(grad_of(u), used_of(u))
         _release_reduced(u)
     optimizer.step()
     for u in units:
-        u.optim_param.grad = None
+        u.set_optimizer_grads(None)
         u.params_store.refresh_compute_copy()
 
 
 def _release_reduced(unit) -> None:
-    """The reduced slice has been turned into the optimizer's gradient: free it now
-    unless the gradient *is* the slice (fp32 with nothing to unscale or clip)."""
+    """The reduced slice has been turned into the optimizer's gradients: free it now
+    unless the gradients *are* views of the slice (fp32 with nothing to unscale or clip)."""
     free = getattr(unit.grads, "free", None)
-    if free is not None and unit.optim_param.grad.untyped_storage().data_ptr() != unit.grads.slice.untyped_storage().data_ptr():
+    if free is None:
+        return
+    slice_ptr = unit.grads.slice.untyped_storage().data_ptr()
+    if not any(t.grad is not None and t.grad.untyped_storage().data_ptr() == slice_ptr for t in unit.optim_params):
         free()
