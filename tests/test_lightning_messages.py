@@ -13,10 +13,11 @@ from test_lightning import _run
 _TRY_NAMES = """
     import json, sys
     import lightning.pytorch as pl
+    import pytorch_lightning
     from lightning.fabric import Fabric
     out = {}
     for name in ("zero_3", "zero4", "Zero-2", "zer3", "dpp", "zero3"):
-        for kind, build in (("trainer", pl.Trainer), ("fabric", Fabric)):
+        for kind, build in (("trainer", pl.Trainer), ("fabric", Fabric), ("pytorch_lightning", pytorch_lightning.Trainer)):
             try:
                 build(strategy=name, accelerator="cpu", devices=2)
                 out[f"{kind}:{name}"] = None
@@ -33,10 +34,10 @@ def _result(proc):
 
 def test_mistyped_strategy_name_lists_the_zero_names():
     got = _result(_run("-c", textwrap.dedent(_TRY_NAMES)))
-    for kind in ("trainer", "fabric"):
+    for kind in ("trainer", "fabric", "pytorch_lightning"):
         assert got[f"{kind}:zero3"] is None  # the real name still works
         # A name that is not ours keeps Lightning's own message, word for word.
-        assert got[f"{kind}:dpp"].startswith("You selected an invalid strategy name: `strategy='dpp'`. It must be")
+        assert got[f"{kind}:dpp"].startswith("You selected an invalid strategy name: `strategy='dpp'`. It must be"), got
         for typo, hint in (("zero_3", "Did you mean 'zero3'?"), ("zer3", "Did you mean 'zero3'?"),
                            ("Zero-2", "Did you mean 'zero2'?"), ("zero4", "there is no stage 4")):
             message = got[f"{kind}:{typo}"]
@@ -49,6 +50,7 @@ def test_mistyped_strategy_name_lists_the_zero_names():
 _BUILD = """
     import sys
     import lightning.pytorch as pl
+    import pytorch_lightning
     from lightning.fabric import Fabric
     for strategy in ("ddp", "zero2"):
         for precision in ("bf16-mixed", "16-mixed"):
@@ -56,6 +58,8 @@ _BUILD = """
             pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=precision, logger=False)
             print(f"CASE fabric-{strategy} {precision}", file=sys.stderr, flush=True)
             Fabric(strategy=strategy, accelerator="cpu", devices=2, precision=precision)
+            print(f"CASE pl-{strategy} {precision}", file=sys.stderr, flush=True)
+            pytorch_lightning.Trainer(strategy=strategy, accelerator="cpu", devices=2, precision=precision, logger=False)
 """
 
 
@@ -70,7 +74,7 @@ def test_precision_message_says_what_runs():
             current = cases.setdefault(line[5:], [])
         elif "Automatic Mixed Precision" in line or line.startswith("zero_strategy:"):
             current.append(line)
-    for prefix in ("", "fabric-"):
+    for prefix in ("", "fabric-", "pl-"):
         assert cases[f"{prefix}ddp bf16-mixed"] == ["Using bfloat16 Automatic Mixed Precision (AMP)"], cases
         for precision, dtype in (("bf16-mixed", "bf16"), ("16-mixed", "fp16")):
             lines = cases[f"{prefix}zero2 {precision}"]
