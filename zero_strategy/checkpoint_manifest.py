@@ -111,12 +111,14 @@ def validate(m: Any, path: Path) -> None:
         if index in units:
             c.fail(f"unit index {index} appears twice")
         uw = c.int(c.key(u, "world", where), f"{where}.world", 1, MAX_WORLD)
-        if uw != world:
-            c.fail(f"{where}.world is {uw} but world_size is {world}")
+        # Stage 0 replicates: each unit is one "shard" holding everything.
+        expected_world = 1 if m["stage"] == 0 else world
+        if uw != expected_world:
+            c.fail(f"{where}.world is {uw} but a stage-{m['stage']} checkpoint at world_size {world} splits units over {expected_world}")
         numel = c.int(c.key(u, "numel", where), f"{where}.numel")
         shard = c.int(c.key(u, "shard_numel", where), f"{where}.shard_numel", 1)
-        if shard != max(1, -(-numel // world)):
-            c.fail(f"{where}.shard_numel is {shard}, but {numel} elements over {world} ranks give {max(1, -(-numel // world))}")
+        if shard != max(1, -(-numel // uw)):
+            c.fail(f"{where}.shard_numel is {shard}, but {numel} elements over {uw} ranks give {max(1, -(-numel // uw))}")
         if "compute_dtype" in u:
             _dtype(c, u["compute_dtype"], f"{where}.compute_dtype")
         units[index] = u
