@@ -51,10 +51,6 @@ def unknown_name_message(name: str, registered) -> str:
         close = difflib.get_close_matches(squeezed, list(names), n=1, cutoff=0.6)
         hint = f"Did you mean {close[0]!r}?" if close else ""
     listing = "; ".join(f"{n} ({d.replace(' (zero_strategy)', '')})" for n, d in names.items())
-    missing = [n for n in names if n not in registered]
-    if missing:
-        hint += (f" The ZeRO names {missing} are not registered here: import zero_strategy.integrations.lightning "
-                 "(the start-up hook may be off: ZERO_STRATEGY_AUTOLOAD=0, or .pth files not processed).")
     return (f"You selected an invalid strategy name: `strategy={name!r}`. {hint} ZeRO strategies (zero_strategy): "
             f"{listing}. Every registered name: {', '.join(sorted(registered))}.").replace("  ", " ")
 
