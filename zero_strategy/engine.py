@@ -180,7 +180,13 @@ class ZeroEngine:
         # The user's optimizer now updates this rank's shards.
         self.inner_optimizer = optimizer
         self.optimizer: Optional[ZeroOptimizer] = None
+        # Where each parameter the user gave the optimizer now lives, in the optimizer's own
+        # order: (unit index, position) or None (not partitioned), for optimizer state
+        # dicts in torch's format (state.full_optimizer_state_dict).
+        self.optimizer_param_places: List[List[Optional[tuple]]] = []
         if optimizer is not None:
+            place = {id(p): (u.index, i) for u in self.units for i, p in enumerate(u.params)}
+            self.optimizer_param_places = [[place.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
             per_group: Dict[int, list] = {}
             for u in self.trainable_units:
                 per_group.setdefault(u.group_index, []).extend(u.optim_params)
