@@ -679,6 +679,23 @@ class ZeroEngine:
 
         load_full_state_dict(self, state_dict, strict=strict)
 
+    def full_optimizer_state_dict(self, rank0_only: bool = True) -> dict:
+        """Collective.  The optimizer state as the user's optimizer would hold it without
+        ZeRO (torch's format, whole tensors, the user's parameter order), on rank 0 (or
+        every rank): what DDP saves, see [Note: torch-format optimizer state] in state.py."""
+        self._check_open()
+        from .state import full_optimizer_state_dict
+
+        return full_optimizer_state_dict(self, rank0_only=rank0_only)
+
+    def load_full_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Load a torch-format optimizer state dict (ours, or a plain / DDP optimizer's
+        for the same parameters); every rank passes the same one."""
+        self._check_open()
+        from .state import load_full_optimizer_state_dict
+
+        load_full_optimizer_state_dict(self, state_dict)
+
     def state_dict(self) -> dict:
         from .state import rank_state_dict
 

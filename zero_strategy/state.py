@@ -12,7 +12,7 @@ import torch
 
 from .param_shard import whole_values
 
-STATE_FORMAT = "zero_strategy.rank_state/2"
+STATE_FORMAT = "zero_strategy.rank_state/3"  # 3: optimizer state per parameter piece
 
 
 def full_state_dict(engine, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
@@ -154,3 +154,149 @@ def _load_optimizer_keeping_group_dicts(optimizer, sd: dict) -> None:
         old.update({k: v for k, v in new.items() if k != "params"})
         old["params"] = orig["params"]
     optimizer.param_groups = groups
+
+
+# -- optimizer state in torch's own format ------------------------------------------------------
+# [Note: torch-format optimizer state]
+# ``full_optimizer_state_dict`` returns what the user's optimizer's ``state_dict()`` would
+# hold without ZeRO: ``{"state": {index: {key: value}}, "param_groups": [...]}``, indices
+# counting the parameters in the order the user gave them to the optimizer, per-element
+# state whole and shaped like its parameter.  That is what DDP (and any plain torch loop)
+# saves and loads, so a run can move between ZeRO and DDP with its optimizer state
+# intact, in both directions.  A parameter that never got a gradient has no entry, as in
+# torch.  Memory: one unit's per-element state of one key at a time is gathered.
+
+
+def _piece_states(engine) -> Dict[tuple, dict]:
+    """(unit, position) -> that piece's optimizer state on this rank."""
+    opt = engine.inner_optimizer
+    out = {}
+    for u in engine.trainable_units:
+        for t, (i, _, _) in zip(u.optim_params, u.optim_slices):
+            st = opt.state.get(t)
+            if st:
+                out[(u.index, i)] = st
+    return out
+
+
+def _is_elementwise(v, like_shape) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(like_shape)
+
+
+def full_optimizer_state_dict(engine, rank0_only: bool = True) -> dict:
+    """Collective.  The optimizer state in torch's format (see the note above); with
+    ``rank0_only`` the other ranks return {}."""
+    opt = engine.inner_optimizer
+    if opt is None:
+        raise RuntimeError("full_optimizer_state_dict needs an optimizer: initialize was called with optimizer=None")
+    comm = engine.comm
+    keep = comm.rank == 0 or not rank0_only
+    units = {u.index: u for u in engine.units}
+    pieces = _piece_states(engine)
+    # Which parameters have state, its per-element keys, and its scalar values: agreed
+    # from every rank (a rank that holds no piece of a parameter does not know).
+    mine = {}
+    for (ui, i), st in pieces.items():
+        t = next(t for t, (j, _, _) in zip(units[ui].optim_params, units[ui].optim_slices) if j == i)
+        mine[(ui, i)] = {
+            "elements": sorted((k, str(v.dtype)) for k, v in st.items() if _is_elementwise(v, t.shape)),
+            "scalars": {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                        for k, v in st.items() if not _is_elementwise(v, t.shape)},
+        }
+    known: Dict[tuple, dict] = {}
+    for part in comm.all_gather_object(mine, "which parameters have optimizer state"):
+        for place, info in part.items():
+            known.setdefault(place, info)
+    # Per-element state, one unit and key at a time.
+    whole: Dict[tuple, dict] = {}
+    for u in engine.trainable_units:
+        keys = sorted({e for (ui, _), info in known.items() if ui == u.index for e in info["elements"]})
+        for key, dtype_name in keys:
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            local = torch.zeros(u.layout.shard_numel, dtype=dtype, device=u.params_store.optimizer_target.device)
+            for t, (i, s_start, length) in zip(u.optim_params, u.optim_slices):
+                v = pieces.get((u.index, i), {}).get(key)
+                if v is not None:
+                    local[s_start : s_start + length] = v.detach().reshape(-1)
+            if u.layout.world_size == 1:
+                full = local
+            else:
+                full = torch.empty(u.layout.padded_numel, dtype=dtype, device=local.device)
+                comm.all_gather_for_state(full, local, label=f"the optimizer state {key!r} of {u.label}")
+            if keep:
+                for i in range(len(u.params)):
+                    if (u.index, i) in known and (key, dtype_name) in known[(u.index, i)]["elements"]:
+                        whole.setdefault((u.index, i), {})[key] = u.param_view(full, i).to("cpu", copy=True)
+            del full, local
+    if not keep:
+        return {}
+    state, groups, index = {}, [], 0
+    for gi, places in enumerate(engine.optimizer_param_places):
+        ids = []
+        for place in places:
+            if place is not None and place in known:
+                entry = dict(known[place]["scalars"])
+                entry.update(whole.get(place, {}))
+                state[index] = entry
+            ids.append(index)
+            index += 1
+        group = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+        group["params"] = ids
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optimizer_state_dict(engine, osd: dict) -> None:
+    """Every rank passes the same torch-format optimizer state dict (from
+    :func:`full_optimizer_state_dict`, or a plain torch/DDP optimizer's ``state_dict()``
+    for the same parameters in the same order); each rank keeps its pieces.
+    Hyperparameters in ``param_groups`` are loaded into the live group dicts."""
+    opt = engine.inner_optimizer
+    if opt is None:
+        raise RuntimeError("load_full_optimizer_state_dict needs an optimizer: initialize was called with optimizer=None")
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ValueError("load_full_optimizer_state_dict expects a torch optimizer state dict ({'state': ..., 'param_groups': ...})")
+    places = engine.optimizer_param_places
+    saved_groups = osd["param_groups"]
+    if len(saved_groups) != len(places) or any(len(g["params"]) != len(p) for g, p in zip(saved_groups, places)):
+        raise ValueError(
+            "load_full_optimizer_state_dict: the state dict's param groups hold "
+            f"{[len(g['params']) for g in saved_groups]} parameters, the optimizer's hold {[len(p) for p in places]}: "
+            "a different model or optimizer set-up"
+        )
+    units = {u.index: u for u in engine.units}
+    where = {}
+    for g, group_places in zip(saved_groups, places):
+        for idx, place in zip(g["params"], group_places):
+            where[idx] = place
+    for t_list in (u.optim_params for u in engine.trainable_units):
+        for t in t_list:
+            opt.state.pop(t, None)
+    for idx, entry in osd["state"].items():
+        place = where.get(int(idx))
+        if place is None:
+            continue  # a parameter ZeRO does not partition or update (frozen)
+        u = units[place[0]]
+        i = place[1]
+        shape = u.shapes[i]
+        lo = u.layout.shard_range(u.shard_index)[0]
+        for t, (j, s_start, length) in zip(u.optim_params, u.optim_slices):
+            if j != i:
+                continue
+            t_start = lo + s_start - u.layout.offsets[i]
+            piece = {}
+            for key, v in entry.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    if tuple(v.shape) != tuple(shape):
+                        raise ValueError(
+                            f"load_full_optimizer_state_dict: state {key!r} of {u.names[i][0]} has shape "
+                            f"{tuple(v.shape)}, the parameter {tuple(shape)}"
+                        )
+                    piece[key] = v.reshape(-1)[t_start : t_start + length].to(t.device, copy=True).view(t.shape)
+                elif isinstance(v, torch.Tensor):
+                    piece[key] = v.detach().clone()
+                else:
+                    piece[key] = v
+            opt.state[t] = piece
+    for group, saved in zip(opt.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
