@@ -93,6 +93,7 @@ class ZeroAccelerator(Accelerator):
         self._zero_wrapper: Optional[ZeroAcceleratedOptimizer] = None
         self._zero_pending: List[torch.nn.Module] = []  # training models still without their optimizer
         self._zero_guards = {}
+        self._zero_wrappers = {}  # id(model) -> the DDP wrapper prepare returned for it without an optimizer
         self._zero_trace = _CommTrace.from_environment(self.process_index)
         self._zero_warned = set()
         _patch_trainer_if_imported()
@@ -174,6 +175,9 @@ class ZeroAccelerator(Accelerator):
         guard = self._zero_guards.pop(id(model), None)
         if guard is not None:
             guard.remove()
+        wrapper = self._zero_wrappers.pop(id(model), None)
+        if wrapper is not None:
+            _retire_wrapper(wrapper)
         self._zero_pending = [m for m in self._zero_pending if m is not model]
 
     def _zero_report_loading(self, model, sources, report) -> None:
@@ -196,17 +200,32 @@ class ZeroAccelerator(Accelerator):
             return model
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        # A model to train: it is partitioned when its optimizer is prepared.
-        if device_placement is None:
-            device_placement = self.device_placement
-        if device_placement:
-            model = model.to(self.device)
-        if model not in self._models:
-            self._models.append(model)
-        if all(model is not m for m in self._zero_pending):
-            self._zero_pending.append(model)
-            self._zero_guards[id(model)] = model.register_forward_pre_hook(_train_without_optimizer)
-        return model
+        # A model to train whose optimizer is not in this call (when it is, prepare()
+        # built the engine first and the branch above returned).
+        if any(p.is_meta for p in model.parameters()):
+            # Built partitioned (zero3_init_flag): nothing but its engine can hold it,
+            # so it waits for its optimizer.
+            if device_placement is None:
+                device_placement = self.device_placement
+            if device_placement:
+                model = model.to(self.device)
+            if model not in self._models:
+                self._models.append(model)
+            if all(model is not m for m in self._zero_pending):
+                self._zero_pending.append(model)
+                self._zero_guards[id(model)] = model.register_forward_pre_hook(_train_without_optimizer)
+            return model
+        # As Accelerate does without zero_config (DDP in a multi-process run), so that it can
+        # train without an optimizer, as accelerate's own test_sync.py and join tests do.  If
+        # its optimizer comes in a later prepare call, the engine takes the model over and
+        # the wrapper becomes a pass-through (_retire_wrapper).
+        wrapped = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        inner = extract_model_from_parallel(wrapped)
+        if all(inner is not m for m in self._zero_pending):
+            self._zero_pending.append(inner)
+            if wrapped is not inner:
+                self._zero_wrappers[id(inner)] = wrapped
+        return wrapped
 
     def prepare_optimizer(self, optimizer, device_placement=None):
         engine = self._zero_engine
@@ -360,12 +379,27 @@ def _release_process_group(engine_ref) -> None:
         pass
 
 
+def _retire_wrapper(wrapper) -> None:
+    """Make the DDP wrapper that ``prepare`` returned for a model without its optimizer a
+    pass-through, now that a ZeroEngine runs that model (the script still calls the
+    wrapper).  Its reducer (gradient buckets as large as the model's gradients, and the
+    autograd hooks that all-reduce them) is dropped: the engine reduces the gradients."""
+    module = wrapper.module
+    wrapper.require_backward_grad_sync = False
+    wrapper.require_forward_param_sync = False
+    wrapper.forward = lambda *args, **kwargs: module(*args, **kwargs)
+    for name in ("reducer", "logger"):
+        if name in wrapper.__dict__:
+            setattr(wrapper, name, None)
+
+
 def _train_without_optimizer(module, args):
     if module.training and torch.is_grad_enabled():
         raise RuntimeError(
-            "zero_config: this model was prepared without its optimizer. ZeRO partitions a model together "
-            "with its optimizer: pass both to accelerator.prepare (in one call, or the optimizer in a later "
-            "call) before training it"
+            "zero_config: this model was built partitioned (zero3_init_flag) and prepared without its optimizer; "
+            "its parameters exist only once its engine is built. Pass the model and its optimizer to "
+            "accelerator.prepare (in one call, or the optimizer in a later call) before training it, or load a "
+            "model that is trained without an optimizer without zero3_init_flag"
         )
 
 
