@@ -15,6 +15,9 @@ activations).
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -67,6 +70,28 @@ def _is_noop_move(func, args, kwargs) -> bool:
     return False
 
 
+_COLLECTING = [0]  # > 0 while model.state_dict() consolidates (module_state_dict.py)
+
+
+@contextlib.contextmanager
+def collecting_state_dict():
+    """While active, ``Module._save_to_state_dict`` gets a meta placeholder for each
+    partitioned parameter instead of an error; the caller puts the consolidated values
+    in their place ([Note: model.state_dict() at stage 3] in module_state_dict.py)."""
+    _COLLECTING[0] += 1
+    try:
+        yield
+    finally:
+        _COLLECTING[0] -= 1
+
+
+def _placeholder_for_state_dict(func, args) -> bool:
+    # Only the state-dict machinery itself, and only while a consolidation is under way:
+    # any other use of a partitioned parameter still fails loudly.
+    return (_COLLECTING[0] > 0 and func is torch.Tensor.detach and len(args) == 1
+            and sys._getframe(2).f_code.co_name == "_save_to_state_dict")
+
+
 class PartitionedParameter(nn.Parameter):
     """An ``nn.Parameter`` managed by a stage-3 ZeroEngine (see the module docstring)."""
 
@@ -80,6 +105,8 @@ class PartitionedParameter(nn.Parameter):
                 access = p.__dict__.get("_zero_access")
                 usable = access(p._zero_unit) if access is not None and not p._zero_unit.closed else not _released(p)
                 if not usable:
+                    if _placeholder_for_state_dict(func, args):
+                        return torch.empty(p.shape, dtype=p.dtype, device="meta")
                     raise PartitionedParameterError(_message(p, func))
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*args, **kwargs)

@@ -3,7 +3,8 @@
 * Each trainable parameter: a post-accumulate-grad hook feeding its unit's bucket.
 * The root module: a forward pre-hook (input casting, per-step bookkeeping) and a
   forward hook (stage 3: release whatever a lazy gather left behind).
-* Stage 3 only: pre/post forward hooks on every unit module, and lazy pre-hooks on
+* Stage 3 only: state-dict hooks on the root, so ``model.state_dict()`` consolidates
+  (module_state_dict.py); pre/post forward hooks on every unit module, and lazy pre-hooks on
   modules that own partitioned parameters (so calling such a submodule on its own,
   e.g. ``model.get_input_embeddings()(ids)``, gathers what it needs instead of failing).
 """
@@ -14,6 +15,8 @@ from typing import List
 
 import torch
 from torch.utils._pytree import tree_map
+
+from .module_state_dict import register_state_dict_hooks
 
 
 def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
@@ -37,6 +40,7 @@ def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
     gatherer = engine.gatherer
     if gatherer is None:
         return handles
+    handles.extend(register_state_dict_hooks(engine))
     for group in gatherer.groups:
 
         def pre(module, args, kwargs, g=group):
