@@ -78,7 +78,11 @@ class ZeroAccelerator(Accelerator):
     """
 
     def __init__(self, *args, zero_config=None, **kwargs) -> None:
+        # Before Accelerate's own checks, whose fp8 message asks for an fp8 library.
+        requested = kwargs.get("mixed_precision", args[2] if len(args) > 2 else None)
+        _settings.check_mixed_precision(requested if requested is not None else os.environ.get("ACCELERATE_MIXED_PRECISION"))
         super().__init__(*args, **kwargs)
+        _warn_if_processes_are_alone(self)
         if zero_config is not None:
             self.zero_settings = _settings.parse_section(zero_config)
         else:
@@ -377,6 +381,27 @@ def _release_process_group(engine_ref) -> None:
         gc.collect()
     except Exception:  # noqa: BLE001 - exit must not fail because of this
         pass
+
+
+def _warn_if_processes_are_alone(accelerator) -> None:
+    """The launcher started several processes but Accelerate runs each on its own: with
+    ``distributed_type: MULTI_GPU`` on a machine without GPUs and no ACCELERATE_USE_CPU,
+    every process thinks it is the only one (each trains on all the data, and the
+    results are not a 2-process run's).  Said once, by the launcher's first process."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched <= 1 or accelerator.num_processes > 1 or os.environ.get("RANK", "0") != "0":
+        return
+    hint = ""
+    if not torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes"):
+        hint = (" No GPU is visible and ACCELERATE_USE_CPU is not set: on a machine without GPUs keep "
+                "distributed_type: MULTI_GPU and set ACCELERATE_USE_CPU=true in the environment, so that the "
+                "processes train together on CPU over gloo.")
+    warnings.warn(
+        f"zero_config: the launcher started {launched} processes (WORLD_SIZE={launched}), but Accelerate runs each "
+        f"of them alone (distributed_type {accelerator.distributed_type.value}, num_processes 1): they do not train "
+        f"together (each one trains on all of the data, as a single process would).{hint}",
+        stacklevel=3,
+    )
 
 
 def _retire_wrapper(wrapper) -> None:

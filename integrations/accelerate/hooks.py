@@ -38,6 +38,9 @@ def install_config_section(module=None) -> None:
         if isinstance(config_dict, dict) and settings.SECTION in config_dict:
             section = config_dict.pop(settings.SECTION)
             settings.check_distributed_type(config_dict.get("distributed_type"))
+            # Before the launcher's own fp8 check (its message asks for an fp8 library).
+            cli = settings.command_line_mixed_precision(sys.argv[1:])
+            settings.check_mixed_precision(cli if cli is not None else config_dict.get("mixed_precision"))
             settings.export(section)
         return original(config_dict)
 

@@ -77,12 +77,36 @@ class ZeroSettings:
         """The engine's :class:`ZeroConfig` for accelerate's ``mixed_precision`` value."""
         from zero_strategy.config import ZeroConfig
 
+        check_mixed_precision(mixed_precision)
         value = str(mixed_precision or "no").lower()
-        if value not in _PRECISION_FROM_ACCELERATE:
-            raise ValueError(
-                f"zero_config supports mixed_precision 'no', 'bf16' or 'fp16', got {mixed_precision!r}"
-            )
         return ZeroConfig.from_dict({**self.engine, "precision": _PRECISION_FROM_ACCELERATE[value]})
+
+
+def check_mixed_precision(mixed_precision: Any) -> None:
+    """Accelerate's ``mixed_precision`` must be one the engine implements.  Checked before
+    Accelerate's own checks, which would ask for an fp8 library zero_strategy never uses."""
+    value = str(mixed_precision or "no").strip().lower()
+    if value == "fp8":
+        raise ValueError(
+            "zero_config: mixed_precision 'fp8' is not supported by zero_strategy (its engine computes in bf16 or "
+            "fp16 with fp32 master weights, and does not drive Transformer Engine, MS-AMP or torchao); set "
+            "mixed_precision to bf16, fp16 or no, or remove the zero_config section to use Accelerate's fp8"
+        )
+    if value not in _PRECISION_FROM_ACCELERATE:
+        raise ValueError(f"zero_config supports mixed_precision 'no', 'bf16' or 'fp16', got {mixed_precision!r}")
+
+
+def command_line_mixed_precision(argv) -> Optional[str]:
+    """The value of ``--mixed_precision`` on an ``accelerate launch`` command line (it
+    overrides the config file's), or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--mixed_precision" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--mixed_precision="):
+            return arg.split("=", 1)[1]
+        if not arg.startswith("-") and arg.endswith(".py"):
+            break  # the training script: what follows are its own arguments
+    return None
 
 
 def _error(key: str, message: str) -> ValueError:
