@@ -175,37 +175,18 @@ def check_arguments(kwargs) -> None:
 _SPREADING = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def _process_device():
-    """The device prepare puts this process's partitions on (Accelerate's rule)."""
-    import torch
-
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in ("1", "true", "yes")
-    if use_cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def _as_device(value):
-    import torch
-
-    if isinstance(value, int):
-        return torch.device("cuda", value)
-    device = torch.device(value)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
-
-
 def _check_device_map(device_map) -> None:
-    """A device_map is accepted when it puts the whole model where prepare puts it anyway:
-    this process's device, or a spreading strategy ("auto", ...) on a machine with no GPU
-    (which TRL passes on CPU); anything else would split or move the model, which
-    ZeRO-3 does itself.  DeepSpeed's ZeRO-3 refuses every device_map."""
+    """A device_map is accepted when it keeps the model whole on one device: prepare then
+    places each rank's partition on the Accelerator's device, where Accelerate would
+    have moved the stock-loaded model too.  A map that splits the model ("auto" and the
+    other spreading strategies on a machine with GPUs, several devices, "disk") is
+    refused: ZeRO-3 partitions the model across the processes itself (DeepSpeed's ZeRO-3
+    refuses every device_map).  "auto" on a machine without GPUs means the CPU (TRL
+    passes it there).  The rule gives the same answer on every rank."""
     if device_map is None:
         return
     import torch
 
-    here = _process_device()
     if isinstance(device_map, str) and device_map in _SPREADING:
         if not torch.cuda.is_available():
             return
@@ -213,12 +194,12 @@ def _check_device_map(device_map) -> None:
     else:
         values = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
         try:
-            devices = {_as_device(v) for v in values}
+            devices = {torch.device("cuda", v) if isinstance(v, int) else torch.device(v) for v in values}
         except (RuntimeError, TypeError, ValueError):
             devices = None
-        if devices == {here}:
+        if devices is not None and len(devices) == 1:
             return
-        problem = f"it places the model elsewhere than this process's device ({here})"
+        problem = "it splits the model over several devices (or the disk)"
     raise UnsupportedArgument(
         f"zero3_init_flag: from_pretrained(device_map={device_map!r}) is not supported: {problem}, while ZeRO-3 "
         "partitions the model across the processes itself; drop device_map= (or pass device_map=None)"

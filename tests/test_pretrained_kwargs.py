@@ -81,7 +81,7 @@ def test_default_keywords_accepted_as_stock_does(checkpoints):
 @pytest.mark.parametrize("key, value", [
     ("state_dict", {}), ("quantization_config", object()), ("variant", "fp16"), ("tp_plan", "auto"),
     ("key_mapping", {"^a": "b"}), ("max_memory", {0: "1GB"}), ("offload_folder", "/tmp/x"), ("gguf_file", "m.gguf"),
-    ("device_map", {"model": "cpu", "lm_head": "disk"}), ("device_map", "cuda:3"), ("use_kernels", True),
+    ("device_map", {"model": "cpu", "lm_head": "disk"}), ("device_map", {"model": 0, "lm_head": 1}), ("use_kernels", True),
 ])
 def test_values_that_cannot_be_honoured_raise_naming_the_keyword(checkpoints, key, value):
     from transformers import LlamaForCausalLM  # (the Auto classes read gguf_file themselves first)
@@ -91,10 +91,10 @@ def test_values_that_cannot_be_honoured_raise_naming_the_keyword(checkpoints, ke
     assert f"from_pretrained({key}=" in str(info.value) and "zero3_init_flag" in str(info.value)
 
 
-@pytest.mark.parametrize("device_map", ["cpu", {"": "cpu"}, torch.device("cpu"), "auto"])
-def test_device_maps_that_mean_this_process_are_accepted(checkpoints, device_map):
-    if torch.cuda.is_available():
-        pytest.skip("the CPU is not this process's device here")
+@pytest.mark.parametrize("device_map", ["cpu", {"": "cpu"}, torch.device("cpu"), 0, {"": "cuda:1"}, "auto"])
+def test_device_maps_that_keep_the_model_whole_are_accepted(checkpoints, device_map):
+    if torch.cuda.is_available() and device_map == "auto":
+        pytest.skip("'auto' spreads the model over the GPUs here")
     from transformers import AutoModelForCausalLM
 
     with P.partitioned_loading():
