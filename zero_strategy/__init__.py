@@ -15,13 +15,14 @@ from .engine import ZeroEngine, engine_of
 from .materialize import init_context, keep_meta_on_moves
 from .guard import PartitionedParameterError
 from .comm import CollectiveError
+from .fingerprint import SetupMismatchError
 from .checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
 
 __version__ = "0.1.0"
 
 
 def initialize(model, optimizer=None, config=None, process_group=None, *, device=None, pretrained=None,
-               sync_module_states=False) -> ZeroEngine:
+               sync_module_states=True) -> ZeroEngine:
     """Shard ``model`` in place and re-point ``optimizer`` at this rank's shards.
 
     ``model`` stays the same object of the same class; run it as before.  ``config`` is
@@ -33,8 +34,13 @@ def initialize(model, optimizer=None, config=None, process_group=None, *, device
     materialised here directly into shards on ``device`` (default: the current CUDA
     device, else CPU), initialised module by module, or read slice by slice from
     ``pretrained`` (safetensors file or directory) when given.  With
-    ``sync_module_states`` every rank first takes rank 0's parameter and buffer values
-    (for models initialised without a common seed)."""
+    ``sync_module_states`` (the default, as DDP) every rank first takes rank 0's
+    parameter and buffer values, so ranks seeded differently start equal (parameters
+    still on the meta device are skipped; ``pretrained`` weights are loaded afterwards).
+
+    Every rank must pass the same model structure, optimizer hyperparameters, config and
+    options: they are compared first (one small collective), and a difference raises
+    :class:`SetupMismatchError` on every rank, naming it."""
     return ZeroEngine(model, optimizer, config, process_group=process_group, device=device, pretrained=pretrained,
                       sync_module_states=sync_module_states)
 
@@ -56,6 +62,7 @@ __all__ = [
     "gathered_parameters",
     "PartitionedParameterError",
     "CollectiveError",
+    "SetupMismatchError",
     "ZeroConfig",
     "ZeroEngine",
     "initialize",

@@ -28,6 +28,7 @@ from .accounting import optimizer_state_bytes
 from .activation import apply_activation_checkpointing
 from .comm import Communicator
 from .config import ZeroConfig
+from .fingerprint import check_same_setup
 from .flat_unit import FlatUnit
 from .gather import ModuleGroup, ParameterGatherer
 from .hooks import cast_floating_inputs, register_hooks
@@ -35,6 +36,7 @@ from .guard import guard_parameters, unguard_parameters
 from .materialize import forget_meta_moves, initialize_deferred, load_pretrained, meta_parameter_ids
 from .optimizer import ZeroOptimizer, repoint_optimizer
 from .loss_scale import LossScaler
+from .misuse import SkipWatch, engine_steps, guard_misuse
 from .param_shard import ShardState, whole_values
 from .planner import plan_partitioned_params, plan_replicated_params
 from .policy import Policies
@@ -120,7 +122,7 @@ class ZeroEngine:
         process_group=None,
         device=None,
         pretrained=None,
-        sync_module_states: bool = False,
+        sync_module_states: bool = True,
     ) -> None:
         self.config = ZeroConfig.coerce(config)
         self.policies = pol = Policies.from_config(self.config)
@@ -131,6 +133,7 @@ class ZeroEngine:
         self.global_step = 0
         self.last_step_skipped = False
         self.phase = Phase.IDLE
+        self._skip_watch = SkipWatch()  # repeated fp16 skips with no way out warn
         self._synced = True  # False inside no_sync(): a mode, not a phase
         self._backward_synced = True  # the mode the running backward started in
         self._step_grad_ops: List[tuple] = []  # unscale / clip operations for this step's gradients
@@ -149,6 +152,8 @@ class ZeroEngine:
         self.device = _materialization_device(device, self.comm) if pending else None
         self.orig_dtype_by_id = {id(p): p.dtype for p in model.parameters()}
 
+        # Before any other collective: ranks set up differently fail here, naming the difference.
+        check_same_setup(self.comm, model, optimizer, self.config, sync_module_states=sync_module_states, pretrained=pretrained)
         if sync_module_states and self.comm.world_size > 1:
             _broadcast_from_rank0(model, self.comm, skip=pending)
 
@@ -192,6 +197,7 @@ class ZeroEngine:
                 per_group.setdefault(u.group_index, []).extend(u.optim_params)
             repoint_optimizer(optimizer, per_group)
             self.optimizer = ZeroOptimizer(self)
+        guard_misuse(self)  # the inner optimizer's own step(), torch's clip_grad_norm_ ([Note: silent misuse])
 
         largest = max((u.layout.padded_numel for u in self.trainable_units), default=0)
         self.reducer = GradientReducer(
@@ -501,12 +507,15 @@ class ZeroEngine:
             if self.scaler.dynamic and self.scaler.scale <= self.scaler.min_scale and self.config.on_min_loss_scale == "raise":
                 self._raise_at_min_loss_scale()
             self.scaler.update(True)
+            self._skip_watch.skipped(self.scaler, self.global_step)
             self.last_step_skipped = True
             self.zero_grad()
             return False
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping)
-        step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of)
+        with engine_steps(self.inner_optimizer):
+            step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of)
+        self._skip_watch.stepped()
         self._all_gather_updated_params()
         self.scaler.update(False)
         self.last_step_skipped = False
