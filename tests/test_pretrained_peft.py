@@ -131,7 +131,7 @@ def test_a_parameter_moved_to_meta_with_no_values_is_an_error(llama):
     with pytest.raises(ValueError) as info:
         P.sources_in(model)
     message = str(info.value)
-    assert "lm_head.weight" in message and "no values" in message
+    assert "lm_head.weight" in message and "no values exist" in message
 
 
 def test_lora_wrapped_model_resolves_every_checkpoint_tensor(llama):
@@ -148,3 +148,14 @@ def test_lora_wrapped_model_resolves_every_checkpoint_tensor(llama):
     for pid, (_, key, _) in bound.params.items():
         assert id(names[_peft_name(key)]) == pid, key  # bound to the very parameter PEFT renamed
     assert bound.unexpected == [] and bound.initialise == set()
+
+
+def test_peft_modules_to_save_copy_of_a_meta_module_is_refused(llama):
+    """PEFT's modules_to_save deep-copies lm_head while it is on the meta device: the copy
+    has no values anywhere, so prepare must refuse rather than invent them."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_partitioned(llama), LoraConfig(r=4, target_modules=list(LORA_TARGETS), modules_to_save=["lm_head"]))
+    with pytest.raises(ValueError) as info:
+        P.sources_in(model)
+    assert "base_model.model.lm_head.modules_to_save.default.weight" in str(info.value)

@@ -481,8 +481,8 @@ def bind(root: nn.Module, bindings) -> BoundWeights:
     ``root`` as it is now.  Raises, naming them, if a bound checkpoint tensor no longer
     has a parameter or buffer inside ``root`` (a wrapper replaced it), or if a parameter
     of ``root`` is on the meta device with no known values: not bound, not missing from
-    a checkpoint, and not created inside :func:`init_context` (something moved it to the
-    meta device, which discards values).  Nothing is ever left silently random."""
+    a checkpoint, and not created inside :func:`init_context` (it was copied or moved to
+    the meta device afterwards, so no values exist for it).  Nothing is ever left silently random."""
     live_params = {id(p) for p in root.parameters()}
     live = live_params | {id(b) for b in root.buffers()}
     params, buffers, initialise, unexpected, lost = {}, [], set(), [], []
@@ -517,8 +517,8 @@ def bind(root: nn.Module, bindings) -> BoundWeights:
                          + ", ".join(lost[:20]) + (" ..." if len(lost) > 20 else ""))
         if unknown:
             parts.append(f"{len(unknown)} parameter(s) of {type(root).__name__} are on the meta device with no values to "
-                         "load or initialise (something moved them to 'meta' after from_pretrained, which discards "
-                         "values): " + ", ".join(unknown[:20]) + (" ..." if len(unknown) > 20 else ""))
+                         "load or initialise (created on, copied on or moved to the meta device after from_pretrained, "
+                         "e.g. a deepcopy of a meta module: no values exist for them): " + ", ".join(unknown[:20]) + (" ..." if len(unknown) > 20 else ""))
         raise ValueError("partitioned loading refused, nothing would be loaded exactly: " + "; ".join(parts)
                          + ". Build the model's wrappers so that they keep the parameters from_pretrained created, "
                          "or load without zero3_init_flag")
