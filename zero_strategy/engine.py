@@ -272,8 +272,8 @@ class ZeroEngine:
                 "a second backward reached the model since the last step() outside no_sync(): its "
                 "gradients would be reduced (and, with ZeRO, partitioned) twice. For gradient "
                 "accumulation run every micro-batch but the last inside `with engine.no_sync():`; "
-                "for several losses, add them and call backward once; otherwise call step() or "
-                "zero_grad() between the backward passes."
+                "for several losses, add them and call backward once; otherwise call engine.step() or "
+                "engine.zero_grad() between the backward passes (the optimizer given to initialize does neither)."
             )
         self._phase_before_backward = self.phase
         self._backward_synced = self._synced
