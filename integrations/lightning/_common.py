@@ -239,6 +239,29 @@ def _engine_device(engine) -> torch.device:
     return torch.device("cpu")
 
 
+def setup_line(engine) -> str:
+    """The one line logged on rank 0 when a strategy builds an engine: what runs (the
+    engine's ``describe()``: stage, world size, units, model-state MiB on this rank) and,
+    beside it, the ZeRO paper's per-rank formula for the same model (``zero_strategy.estimate``,
+    with K for the optimizer in use; omitted for an optimizer the formula has no K for)."""
+    line = engine.describe()
+    try:
+        from zero_strategy import estimate
+
+        summary = engine.unit_summary()
+        psi = sum(u["numel"] for u in summary["units"])
+        opt = engine.inner_optimizer
+        if psi and opt is not None:
+            name = type(opt).__name__.lower()
+            if name == "sgd" and not any(g.get("momentum", 0) for g in opt.param_groups):
+                name = "sgd_nomomentum"
+            formula = estimate(psi, summary["world_size"], summary["stage"], engine.config.precision, name).total
+            line += f" (the ZeRO paper's formula: {formula / 2**20:.1f} MiB per rank for {psi:,} parameters, {type(opt).__name__})"
+    except (ValueError, KeyError, TypeError):
+        pass  # the formula is an aside; what runs is the line itself
+    return line
+
+
 def backward_kwargs(args: tuple, kwargs: dict) -> dict:
     """Positional arguments of ``Tensor.backward`` as keywords (the engine takes keywords)."""
     names = ("gradient", "retain_graph", "create_graph", "inputs")
@@ -249,6 +272,82 @@ def backward_kwargs(args: tuple, kwargs: dict) -> dict:
     return out
 
 
-def split_client_state(checkpoint: Mapping[str, Any]) -> dict:
-    """Lightning's checkpoint dict without what the shard files hold."""
-    return {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+# Saved in client_state.pt: the module's state-dict key order.  The shard files list the
+# tensors in the engine's flat-unit layout order; ``consolidate_checkpoint`` (which has no
+# module) puts the weights back in the order ``module.state_dict()`` has them, as every
+# other strategy's single file does (Lightning's tests zip parameters() with the values).
+STATE_DICT_KEYS = "__zero_strategy_state_dict_keys__"
+
+
+def state_dict_keys(module) -> list:
+    """``list(module.state_dict())`` without calling ``state_dict`` (which would touch the
+    partitioned tensors): parameters, then persistent buffers, module by module in
+    registration order, shared modules under every name, as torch's ``state_dict`` does."""
+    keys = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        prefix = f"{prefix}." if prefix else ""
+        keys.extend(prefix + n for n, p in m._parameters.items() if p is not None)
+        keys.extend(prefix + n for n, b in m._buffers.items()
+                    if b is not None and n not in getattr(m, "_non_persistent_buffers_set", ()))
+    return keys
+
+
+def split_client_state(checkpoint: Mapping[str, Any], module=None) -> dict:
+    """Lightning's checkpoint dict without what the shard files hold (plus the module's
+    state-dict key order, see STATE_DICT_KEYS)."""
+    client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    if module is not None:
+        client[STATE_DICT_KEYS] = state_dict_keys(module)
+    return client
+
+
+# Saved in client_state.pt too: the name of every parameter in the optimizer's order, per
+# param group, so ``consolidate_checkpoint`` can write the optimizer state in torch's format
+# (indices in that order, what ddp's optimizer loads) without the module or the engine.
+OPTIMIZER_NAMES = "__zero_strategy_optimizer_param_names__"
+PRIVATE_KEYS = (STATE_DICT_KEYS, OPTIMIZER_NAMES)
+
+
+def optimizer_order(engine) -> dict:
+    """``{OPTIMIZER_NAMES: {"params": [[name, ...] per group], "param_groups": [...]}}``: the
+    name of every parameter in the optimizer's order (None for one ZeRO holds no optimizer
+    state for) and each group's hyper-parameters as Python has them (the manifest's JSON
+    turns tuples such as Adam's betas into lists); {} without an optimizer."""
+    if engine.inner_optimizer is None:
+        return {}
+    units = {u.index: u for u in engine.units}
+    names = []
+    for places in engine.optimizer_param_places:
+        names.append([None if place is None else units[place[0]].names[place[1]][0] for place in places])
+    groups = [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in engine.inner_optimizer.param_groups]
+    return {OPTIMIZER_NAMES: {"params": names, "param_groups": groups}}
+
+
+def _plain(value) -> bool:
+    """What ``torch.load(weights_only=True)`` reads back (client_state.pt is read restricted)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return False
+
+
+def strip_private(client: dict) -> dict:
+    for key in PRIVATE_KEYS:
+        client.pop(key, None)
+    return client
+
+
+def refuse_file_inside_checkpoint(path) -> None:
+    """A file inside one of our checkpoint directories given as the checkpoint (as
+    DeepSpeed's strategies do, name the directory to load instead)."""
+    from pathlib import Path
+
+    path = Path(path)
+    for parent in path.parents:
+        if (parent / "manifest.json").is_file() and (parent / "client_state.pt").exists():
+            raise FileNotFoundError(
+                f"{path} is a file inside the ZeroStrategy checkpoint directory {parent}. "
+                f"Try to load using this parent directory instead: {parent}"
+            )
+        break  # only the immediate parent: our directories are flat

@@ -3,9 +3,9 @@
 A file ``torch.save``'d by another strategy (``fabric.save`` under ddp writes one), a raw
 ``model.state_dict()``, or a file consolidated from one of our directories
 (``consolidate_checkpoint``) is read whole on every rank; each rank keeps its slices of the
-weights.  Optimizer state in such a file belongs to whole parameters, not to this rank's
-shards, so it is not restored (the Trainer strategy does the same): resume optimizer
-state from a checkpoint directory written by ``fabric.save`` under ZeRO.
+weights.  Optimizer state in such a file (torch's format, whole tensors) goes into the
+sharded optimizer through ``engine.load_full_optimizer_state_dict``: each rank keeps its
+pieces, as the Trainer strategy does.
 
 No Lightning import here (this module is shared by the ``lightning.fabric`` and
 ``lightning_fabric`` twins of ``fabric``); the strategy passes its rank-zero warning.
@@ -53,17 +53,13 @@ def load_single_file(strategy, path, state, strict: bool, weights_only, warn: Ca
         strategy.load_module_state_dict(state, _model_state(checkpoint), strict=strict)
         return {}
     if isinstance(state, torch.optim.Optimizer):  # fabric.load_raw(path, optimizer)
-        raise NotImplementedError(
-            f"fabric.load_raw({path}, optimizer): a single-file optimizer state belongs to whole parameters and "
-            "cannot be loaded into the sharded ZeRO optimizer. Resume optimizer state from a checkpoint directory "
-            "written by fabric.save under ZeRO, or start the optimizer afresh"
-        )
+        _load_optimizer(strategy, state, checkpoint)
+        return {}
     checkpoint = _unpack_consolidated(checkpoint)
     missing = [k for k in state if k not in checkpoint]
     if strict and missing:
-        raise KeyError(f"the requested state contains keys {missing} that do not exist in {path} "
+        raise KeyError(f"The requested state contains keys {missing} that do not exist in {path} "
                        f"(it holds {sorted(checkpoint)}); pass strict=False to skip them")
-    skipped = []
     for key, obj in list(state.items()):
         if key not in checkpoint:
             continue
@@ -71,13 +67,20 @@ def load_single_file(strategy, path, state, strict: bool, weights_only, warn: Ca
         if isinstance(obj, nn.Module):
             strategy.load_module_state_dict(obj, value, strict=strict)
         elif isinstance(obj, torch.optim.Optimizer):
-            skipped.append(key)
+            _load_optimizer(strategy, obj, value)
         elif hasattr(obj, "load_state_dict") and hasattr(obj, "state_dict"):
             obj.load_state_dict(value)
         else:
             state[key] = value
-    if skipped:
-        warn(f"{path} is a single-file checkpoint: its weights and other state are restored, the optimizer "
-             f"state under {skipped} is not (it belongs to whole parameters; ZeRO restores optimizer state from "
-             "its own checkpoint directories)")
     return checkpoint
+
+
+def _load_optimizer(strategy, optimizer, optimizer_state: dict) -> None:
+    """A torch-format optimizer state dict (what ddp or a single device saves, or a
+    consolidated file holds): into the sharded optimizer of a set-up module (each rank
+    keeps its pieces), or as usual into an optimizer not set up yet."""
+    engine = strategy._engine_of_optimizer(optimizer)
+    if engine is None:
+        optimizer.load_state_dict(optimizer_state)
+    else:
+        engine.load_full_optimizer_state_dict(optimizer_state)

@@ -2,11 +2,16 @@
 
     python -m zero_strategy.integrations.lightning.consolidate CKPT_DIR OUT.ckpt
 
-The output holds the consolidated weights under ``state_dict`` (original names and
-dtypes) plus everything else Lightning saved (hyper-parameters, loops, callbacks, LR
-schedulers), so ``MyModule.load_from_checkpoint("OUT.ckpt")`` and
-``trainer.test(model, ckpt_path="OUT.ckpt")`` work with any strategy.  It has no
-``optimizer_states``: to resume training, resume from the directory with ZeroStrategy.
+The output holds the consolidated weights under ``state_dict`` (original names, dtypes
+and the module's key order), the optimizer state under ``optimizer_states`` in torch's
+format (whole tensors, indexed in the user's parameter order: what ddp's optimizer
+saves), plus everything else Lightning saved (hyper-parameters, loops, callbacks, LR
+schedulers).  So ``MyModule.load_from_checkpoint("OUT.ckpt")``, ``trainer.test(model,
+ckpt_path="OUT.ckpt")`` and resuming ``trainer.fit(model, ckpt_path="OUT.ckpt")`` work with
+any strategy (ddp included).  A directory written by ``fabric.save`` gives the file ddp's
+``fabric.save`` writes: the weights and the optimizer state under the keys they were saved
+with ("model", "optimizer"), beside the other state.  Every
+tensor is saved compact (a view into a shard would drag the shard's whole storage in).
 Runs in a single process without a process group; needs memory for the whole model.
 """
 from __future__ import annotations
@@ -28,6 +33,9 @@ def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None, *,
     nothing in the file can run code); pass False only for a checkpoint you trust."""
     from zero_strategy.checkpoint import load_client_state, load_consolidated_state_dict
 
+    from ._common import OPTIMIZER_NAMES, STATE_DICT_KEYS
+    from ._fabric_files import OBJECTS_KEY
+
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory} is not a ZeroStrategy checkpoint directory")
@@ -35,8 +43,19 @@ def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None, *,
     client = directory / CLIENT_STATE
     if client.exists():
         checkpoint.update(load_client_state(client, weights_only=weights_only))
-    checkpoint["state_dict"] = load_consolidated_state_dict(directory)
+    order = checkpoint.pop(STATE_DICT_KEYS, None)
+    names = checkpoint.pop(OPTIMIZER_NAMES, None)
+    checkpoint["state_dict"] = _compact(_in_order(load_consolidated_state_dict(directory), order))
     checkpoint.pop("optimizer_states", None)
+    optimizer_state = _optimizer_state(directory, names) if names is not None else None
+    objects = checkpoint.pop(OBJECTS_KEY, None)
+    if isinstance(objects, dict) and objects.get("module"):
+        # fabric.save: the layout ddp's fabric.save writes, each object under its own key
+        checkpoint[objects["module"]] = checkpoint.pop("state_dict")
+        if optimizer_state is not None and objects.get("optimizers"):
+            checkpoint[objects["optimizers"][0]] = optimizer_state
+    elif optimizer_state is not None:
+        checkpoint["optimizer_states"] = [optimizer_state]
     if output_file is not None:
         out = Path(output_file)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -44,6 +63,69 @@ def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None, *,
         torch.save(checkpoint, tmp)
         tmp.replace(out)
     return checkpoint
+
+
+def _in_order(state_dict: dict, order) -> dict:
+    """The module's state-dict order when the checkpoint recorded it (names it does not
+    list keep the manifest's order, after the listed ones)."""
+    if not order:
+        return state_dict
+    out = {k: state_dict[k] for k in order if k in state_dict}
+    out.update((k, v) for k, v in state_dict.items() if k not in out)
+    return out
+
+
+def _compact(state_dict: dict) -> dict:
+    """Each tensor in its own storage of its own size; tied names stay one tensor."""
+    seen, out = {}, {}
+    for k, v in state_dict.items():
+        if isinstance(v, torch.Tensor):
+            if id(v) not in seen:
+                seen[id(v)] = v.detach().clone(memory_format=torch.contiguous_format)
+            v = seen[id(v)]
+        out[k] = v
+    return out
+
+
+def _optimizer_state(directory: Path, names) -> Optional[dict]:
+    """The optimizer state in torch's format: ``{"state": {index: {...}}, "param_groups":
+    [{..., "params": [indices]}]}``, indices counting the parameters in the optimizer's
+    order (recorded at save time), per-element state whole and shaped like its parameter.
+    A parameter that had no state (never stepped, or frozen) has no entry, as in torch."""
+    from zero_strategy.checkpoint import CheckpointReader, _saved_param_state
+
+    reader = CheckpointReader(directory)
+    try:
+        reader.verify()
+        saved = reader.manifest.get("optimizer")
+        if not saved:
+            return None
+        by_name = {n: e for e in reader.manifest["tensors"] for n in e["names"]}
+        cache: dict = {}
+
+        def rank_json(rank):
+            if rank not in cache:
+                cache[rank] = reader.rank_json(rank)
+            return cache[rank]
+
+        recorded = names.get("param_groups") or saved["param_groups"]
+        groups_hp = [{**json_group, **py_group} for json_group, py_group in zip(saved["param_groups"], recorded)]
+        state, groups, index = {}, [], 0
+        for group_names, group in zip(names["params"], groups_hp):
+            ids = []
+            for name in group_names:
+                entry = by_name.get(name) if name is not None else None
+                if entry is not None:
+                    like = torch.empty(entry["shape"])
+                    st = _saved_param_state(reader, entry, 0, like.numel(), like, rank_json)
+                    if st:
+                        state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                ids.append(index)
+                index += 1
+            groups.append({**group, "params": ids})
+        return {"state": state, "param_groups": groups}
+    finally:
+        reader.close()
 
 
 def main(argv=None) -> int:

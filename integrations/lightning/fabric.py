@@ -24,7 +24,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.init import _EmptyInit
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 
@@ -37,7 +37,12 @@ from ._common import (
     has_meta_parameters,
     initialize_engine,
     partitioned_init,
+    STATE_DICT_KEYS,
+    optimizer_order,
     resolve_plugin_flag,
+    setup_line,
+    state_dict_keys,
+    strip_private,
     with_config_options,
 )
 from ._fabric_files import OBJECTS_KEY as _OBJECTS_KEY
@@ -106,6 +111,7 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         self._timeout = timeout
         self._backward_sync_control = _EngineNoSync()
         self._engines = []
+        self._forwarded = set()
 
     # -- properties ------------------------------------------------------------------
     @property
@@ -155,7 +161,12 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         return self._base_config.replace(precision=precision)
 
     def _remember(self, engine):
+        rank_zero_info(setup_line(engine))  # a new engine: say once, on rank 0, what runs
         self._engines = [e for e in self._engines if e.module is not engine.module] + [engine]
+        # Which modules ran a forward since their last backward: fabric.backward(loss) without
+        # model= goes to that one when several are set up (Lightning's other strategies need no
+        # model there either).
+        engine.module.register_forward_pre_hook(lambda *_: self._forwarded.add(id(engine)))
         return engine
 
     def _engine_for(self, module: Optional[nn.Module]):
@@ -165,7 +176,13 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
                 return engine
         if len(self._engines) == 1:
             return self._engines[0]
-        raise RuntimeError("pass the model to fabric.backward(loss, model=model): several modules are set up")
+        pending = [e for e in self._engines if id(e) in self._forwarded]
+        if len(pending) == 1:
+            return pending[0]
+        raise RuntimeError(
+            "pass the model to fabric.backward(loss, model=model): several modules are set up and "
+            f"{'none' if not pending else len(pending)} of them ran a forward since their last backward"
+        )
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         if len(optimizers) != 1:
@@ -208,6 +225,7 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         self.precision.pre_backward(tensor, module)
         self.precision.backward(tensor, module, *args, **kwargs)
         self.precision.post_backward(tensor, module)
+        self._forwarded.discard(id(self._engine_for(module)))
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         engine = self._engine_for(module)
@@ -235,10 +253,14 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         """All ranks: a checkpoint directory (shards + manifest); non-model state goes
         into ``client_state.pt``."""
-        if storage_options is not None or filter:
-            raise TypeError("ZeroFabricStrategy.save_checkpoint takes neither storage_options nor filter")
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "ZeroFabricStrategy.save_checkpoint takes neither storage_options nor filter: each rank writes its own "
+                "shards into a checkpoint directory (consolidate_checkpoint makes one file, which can then be filtered)"
+            )
         key, engine = self._module_entry(state)
-        client: Dict[str, Any] = {_OBJECTS_KEY: {"module": key, "optimizers": []}}
+        client: Dict[str, Any] = {_OBJECTS_KEY: {"module": key, "optimizers": []},
+                                  STATE_DICT_KEYS: state_dict_keys(engine.module), **optimizer_order(engine)}
         for k, v in state.items():
             if isinstance(v, nn.Module):
                 continue
@@ -265,14 +287,17 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
                 "fabric.load(path, {'model': model, 'optimizer': optimizer}) (fabric.load_raw takes single files)"
             )
         _, engine = self._module_entry(state)
-        client = dict(engine.load_checkpoint(path, weights_only=weights_only) or {})
+        client = strip_private(dict(engine.load_checkpoint(path, weights_only=weights_only) or {}))
         client.pop(_OBJECTS_KEY, None)
         for k, obj in list(state.items()):
             if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
                 continue  # restored by the engine
             if k not in client:
                 if strict:
-                    raise KeyError(f"the requested state contains a key {k!r} that does not exist in the checkpoint")
+                    raise KeyError(
+                        f"The requested state contains a key {k!r} that does not exist in the loaded checkpoint. "
+                        "To disable strict loading, set `strict=False`."
+                    )
                 continue
             if isinstance(obj, _Stateful):
                 obj.load_state_dict(client.pop(k))
@@ -292,8 +317,16 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         else:
             engine.load_full_state_dict(state_dict, strict=strict)
 
+    def _engine_of_optimizer(self, optimizer):
+        """The engine whose ZeroOptimizer ``optimizer`` is (None: not set up)."""
+        inner = getattr(optimizer, "optimizer", None)  # _FabricOptimizer -> ZeroOptimizer
+        for engine in self._engines:
+            if engine.optimizer is not None and (engine.optimizer is optimizer or engine.optimizer is inner):
+                return engine
+        return None
+
     def get_optimizer_state(self, optimizer) -> dict:
-        return {}  # sharded: saved by save_checkpoint
+        return {}  # sharded: saved by save_checkpoint (a collective here would make optimizer.state_dict() one)
 
 
 # Lightning logs its AMP line before the strategy sees the plugin (see _messages).

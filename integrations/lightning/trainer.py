@@ -36,7 +36,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from ._common import (
@@ -50,8 +50,12 @@ from ._common import (
     partitioned_init,
     release_engine,
     resolve_plugin_flag,
-    with_config_options,
+    optimizer_order,
+    refuse_file_inside_checkpoint,
+    setup_line,
     split_client_state,
+    strip_private,
+    with_config_options,
 )
 from ._messages import install_precision_note
 from ._process_group import ZeroProcessGroupMixin
@@ -173,6 +177,7 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._engine = None
+        self._warned_directory = False
 
     # -- what Lightning asks about the strategy ------------------------------------
     @property
@@ -252,12 +257,15 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
             self.setup_optimizers(trainer)
             optimizer = self._single_optimizer()
             self._engine = initialize_engine(module, optimizer, config, device=self.root_device)
+            rank_zero_info(setup_line(self._engine))
             self.optimizers = [self._engine.optimizer]
             self._guard_schedulers(module)
         else:
             existing = engine_of(module)
             same = existing is not None and (existing.config.stage, existing.config.precision) == (config.stage, config.precision)
             self._engine = existing if same else initialize_engine(module, None, config, device=self.root_device)
+            if not same:
+                rank_zero_info(setup_line(self._engine))
         self.model = _StepRouter(module)
         self.setup_precision_plugin()
         self.barrier("ZeroStrategy.setup")
@@ -324,6 +332,20 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
             yield
 
     @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None):
+        """``trainer.init_module()``: as ``fabric.init_module()`` with ZeRO -- under stage 3
+        the parameters stay deferred (meta) until ``setup`` materialises them partitioned
+        (and initialised there, as DeepSpeed's zero.Init); stages 0-2 build whole
+        parameters on the device, ``empty_init=True`` skipping their initialisation."""
+        config = self._resolved_config()
+        if config.stage != 3:
+            with super().tensor_init_context(empty_init=empty_init):
+                yield
+            return
+        with self.root_device, self.precision_plugin.tensor_init_context(), partitioned_init(config):
+            yield
+
+    @contextmanager
     def model_sharded_context(self):
         """Around ``configure_model``: under stage 3 the parameters created there stay
         on the meta device until ``setup`` materialises them partitioned."""
@@ -349,7 +371,13 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         return self._engine.full_state_dict(rank0_only=True)
 
     def optimizer_state(self, optimizer) -> dict:
-        return {}  # likewise the optimizer shards
+        """The optimizer state in torch's format (whole tensors, the user's parameter order:
+        what ddp's optimizer holds) on rank 0, ``{}`` on the other ranks, as FSDP's full
+        optimizer state.  Collective.  Inside ``trainer.save_checkpoint`` it is ``{}``: the
+        optimizer shards are in the checkpoint directory."""
+        if self._engine is None or self._engine.optimizer is None or _inside_checkpoint_dump():
+            return {}
+        return self._engine.full_optimizer_state_dict(rank0_only=True)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """All ranks: write a checkpoint *directory* at ``filepath`` (per-rank shards,
@@ -361,25 +389,45 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         # Rank 0's path, as Lightning's own strategies do: ModelCheckpoint formats the
         # name from metrics, which may differ per rank (logged without sync_dist).
         path = Path(self.broadcast(str(filepath)))
-        self._engine.save_checkpoint(path, client_state=split_client_state(checkpoint))
+        if not self._warned_directory:
+            self._warned_directory = True
+            rank_zero_warn(
+                f"ZeroStrategy: each rank saves its shard of the checkpoint within a directory ({path}). For one "
+                "ordinary file (weights and optimizer state in torch's format, which any strategy loads), run "
+                "`python -m zero_strategy.integrations.lightning.consolidate DIR OUT.ckpt`."
+            )
+        client = split_client_state(checkpoint, self.lightning_module)
+        client.update(optimizer_order(self._engine))
+        self._engine.save_checkpoint(path, client_state=client)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         """A ZeRO checkpoint directory restores weights, optimizer shards and loss scale
-        here; an ordinary single-file checkpoint is read whole on every rank and its
-        weights are loaded in ``load_model_state_dict`` (optimizer state is not)."""
+        here.  An ordinary single-file checkpoint (another strategy's, or consolidated) is
+        read whole on every rank: its optimizer state (torch's format) is restored here
+        into this rank's shards, its weights in ``load_model_state_dict``."""
         path = Path(checkpoint_path)
         if path.is_dir() or path.with_name(path.name + ".old").is_dir():
             client = self._engine.load_checkpoint(path, weights_only=weights_only) or {}
-            checkpoint = dict(client)
+            checkpoint = strip_private(dict(client))
             checkpoint["state_dict"] = {}
             return checkpoint
+        refuse_file_inside_checkpoint(path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        if checkpoint.get("optimizer_states") and self._engine.optimizer is not None:
-            rank_zero_warn(
-                f"{path} is a single-file checkpoint: its weights and LR schedulers are restored, its optimizer "
-                "state is not (ZeroStrategy restores optimizer state from its own checkpoint directories)"
-            )
+        states = checkpoint.get("optimizer_states")
+        if states and self._engine is not None and self._engine.optimizer is not None:
+            if len(states) != 1:
+                raise RuntimeError(
+                    f"ZeroStrategy has 1 optimizer but the checkpoint contains {len(states)} optimizers to load "
+                    f"({path})"
+                )
+            self._engine.load_full_optimizer_state_dict(states[0])
         return checkpoint
+
+    def remove_checkpoint(self, filepath) -> None:
+        """Rank 0 removes (a replaced top-k checkpoint directory), then every rank waits, so
+        no rank sees a directory that is about to go (ModelCheckpoint calls it on all ranks)."""
+        super().remove_checkpoint(filepath)
+        self.barrier("ZeroStrategy.remove_checkpoint")
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         state_dict = checkpoint.get("state_dict") or {}
