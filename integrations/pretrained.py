@@ -277,7 +277,10 @@ def _build_partitioned(klass, name, folder, kwargs):
     dtype = build_kwargs.pop("dtype", None)
     torch_dtype = build_kwargs.pop("torch_dtype", None)
     dtype = dtype if dtype is not None else torch_dtype
-    if dtype is not None and dtype != "auto":
+    if dtype is None or dtype == "auto":
+        # transformers 5.x: None means "auto", the checkpoint's own dtype.
+        dtype = _checkpoint_dtype(config, folder)
+    if dtype is not None:
         build_kwargs["dtype"] = dtype
     with zero_strategy.init_context():
         model = klass._from_config(config, **build_kwargs)
@@ -299,6 +302,29 @@ def _build_partitioned(klass, name, folder, kwargs):
     if output_loading_info:
         return model, binding.loading_info()
     return model
+
+
+def _checkpoint_dtype(config, folder):
+    """What the stock loader's ``dtype="auto"`` picks: the config's ``dtype``, else the
+    dtype of the first floating-point tensor in the files (read from their headers)."""
+    import torch
+
+    value = getattr(config, "dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    if isinstance(value, torch.dtype):
+        return value if value.is_floating_point else None
+    from safetensors import safe_open
+
+    from zero_strategy.materialize import _weight_files
+
+    names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+    for key, file in sorted(_weight_files(folder).items()):
+        with safe_open(str(file), framework="pt") as h:
+            found = names.get(h.get_slice(key).get_dtype())
+        if found is not None:
+            return found
+    return None
 
 
 def _load_generation_config(model, folder) -> None:

@@ -66,10 +66,13 @@ def _defaults():
     return values
 
 
-def test_default_keywords_accepted_as_stock_does(checkpoints):
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("with_config", [False, True])  # run_clm.py passes config=AutoConfig.from_pretrained(...)
+def test_default_keywords_accepted_as_stock_does(checkpoints, with_config):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     kwargs = _defaults()
+    if with_config:
+        kwargs["config"] = AutoConfig.from_pretrained(checkpoints / "llama")
     stock = AutoModelForCausalLM.from_pretrained(checkpoints / "llama", **kwargs)  # the reference accepts them
     assert not any(p.is_meta for p in stock.parameters())
     with P.partitioned_loading():
@@ -132,3 +135,18 @@ def test_mismatched_shapes_are_an_error_unless_ignored(checkpoints):
         LlamaForCausalLM.from_pretrained(checkpoints / "llama", vocab_size=80)  # stock refuses too
     with P.partitioned_loading(), pytest.raises(ValueError, match="ignore_mismatched_sizes=True"):
         LlamaForCausalLM.from_pretrained(checkpoints / "llama", vocab_size=80)
+
+
+@pytest.mark.parametrize("dtype", [None, "auto", torch.float32])
+def test_dtype_as_stock_for_a_bf16_checkpoint(checkpoints, tmp_path, dtype):
+    """transformers 5.x loads in the checkpoint's dtype unless told otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(checkpoints / "llama").to(torch.bfloat16).save_pretrained(folder)
+    kwargs = {} if dtype is None else {"dtype": dtype}
+    want = {n: p.dtype for n, p in AutoModelForCausalLM.from_pretrained(folder, **kwargs).named_parameters()}
+    with P.partitioned_loading():
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    assert {n: p.dtype for n, p in model.named_parameters()} == want
+    assert set(want.values()) == {torch.float32 if dtype is torch.float32 else torch.bfloat16}

@@ -12,7 +12,9 @@ Accelerator method            with zero_config
                               :class:`~zero_strategy.ZeroEngine` (the model is sharded
                               in place and returned as the same object, not wrapped in
                               DDP); the optimizer comes back as an AcceleratedOptimizer
-                              over the engine's ``ZeroOptimizer``
+                              over the engine's ``ZeroOptimizer``.  A model prepared
+                              without its optimizer is Accelerate's (DDP) until its
+                              optimizer comes (docs/accelerate.md)
 ``backward``                  ``engine.backward`` (loss scale for fp16), after the usual
                               division by ``gradient_accumulation_steps``
 ``no_sync`` / ``accumulate``  ``engine.no_sync()`` on non-boundary micro-batches
