@@ -42,12 +42,13 @@ class Deeper(Trunk):
         super().__init__(width, depth=4)
 
 
-def _setup(config, seed=0, lr=0.1, model_cls=Trunk, opt_cls=torch.optim.SGD, **init):
+def _setup(config, seed=0, lr=0.1, model_cls=Trunk, opt_cls=torch.optim.SGD, reverse=False, **init):
     import zero_strategy
 
     torch.manual_seed(seed)
     model = model_cls(WIDTH)
-    opt = opt_cls(model.parameters(), lr=lr)
+    params = list(model.parameters())
+    opt = opt_cls(params[::-1] if reverse else params, lr=lr)
     cfg = dict(stage=2, collective_timeout=TIMEOUT)
     cfg.update(config)
     return model, opt, zero_strategy.initialize(model, opt, cfg, **init)
@@ -105,8 +106,9 @@ def _setups_worker(rank, ws):
     for name, kw in cases.items():
         config = kw.pop("config", {})
         out[name] = _timed(lambda: _setup(config, **kw) and "initialized")
-    # The same setup on every rank still initializes (the group survived the failures).
-    model, _, engine = _setup({"stage": 3, "param_persistence_threshold": 0})
+    # The same setup on every rank still initializes (the group survived the failures);
+    # the order of the parameters within a param group does not matter.
+    model, _, engine = _setup({"stage": 3, "param_persistence_threshold": 0}, reverse=rank == 1)
     engine.backward(model(_batch(rank, 0)))
     out["agreeing"] = ("ok", engine.step(), 0.0)
     engine.close()

@@ -10,7 +10,7 @@ collective.  Each rank hashes
 * ``config``: every ZeroConfig field;
 * ``parameters`` / ``buffers``: names, shapes, dtypes (and ``requires_grad``);
 * ``optimizer``: its class, and per param group the hyperparameters (every key but
-  ``params``) and which parameters it holds, by name;
+  ``params``) and which parameters it holds, by name (in any order);
 * ``options``: ``sync_module_states`` and whether ``pretrained`` weights are loaded;
 
 and one max-all-reduce of a fixed number of (hash, -hash) pairs tells every rank
@@ -70,7 +70,9 @@ def describe_setup(model: nn.Module, optimizer, config, *, sync_module_states: b
     if optimizer is not None:
         for g in optimizer.param_groups:
             hyper = {str(k): _scalar(v) for k, v in sorted(g.items()) if k != "params"}
-            groups.append({"hyperparameters": hyper, "params": [names.get(id(p), "<not in the model>") for p in g["params"]]})
+            # Sorted: the order within a group does not matter (groups built from a set differ in order per process).
+            held = sorted(names.get(id(p), "<not in the model>") for p in g["params"])
+            groups.append({"hyperparameters": hyper, "params": held})
     return {
         "config": {k: _scalar(v) for k, v in sorted(config.to_dict().items())},
         "parameters": [[n, list(p.shape), str(p.dtype), bool(p.requires_grad)] for n, p in model.named_parameters()],
