@@ -280,6 +280,10 @@ def _build_partitioned(klass, name, folder, kwargs):
     if dtype is None or dtype == "auto":
         # transformers 5.x: None means "auto", the checkpoint's own dtype.
         dtype = _checkpoint_dtype(config, folder)
+    elif isinstance(dtype, str):  # "bfloat16", as the stock loader accepts it
+        import torch
+
+        dtype = getattr(torch, dtype)
     if dtype is not None:
         build_kwargs["dtype"] = dtype
     with zero_strategy.init_context():

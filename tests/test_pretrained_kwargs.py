@@ -137,7 +137,7 @@ def test_mismatched_shapes_are_an_error_unless_ignored(checkpoints):
         LlamaForCausalLM.from_pretrained(checkpoints / "llama", vocab_size=80)
 
 
-@pytest.mark.parametrize("dtype", [None, "auto", torch.float32])
+@pytest.mark.parametrize("dtype", [None, "auto", torch.float32, "float32", "bfloat16"])
 def test_dtype_as_stock_for_a_bf16_checkpoint(checkpoints, tmp_path, dtype):
     """transformers 5.x loads in the checkpoint's dtype unless told otherwise."""
     from transformers import AutoModelForCausalLM
@@ -149,4 +149,4 @@ def test_dtype_as_stock_for_a_bf16_checkpoint(checkpoints, tmp_path, dtype):
     with P.partitioned_loading():
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     assert {n: p.dtype for n, p in model.named_parameters()} == want
-    assert set(want.values()) == {torch.float32 if dtype is torch.float32 else torch.bfloat16}
+    assert set(want.values()) == {torch.float32 if dtype in (torch.float32, "float32") else torch.bfloat16}
