@@ -23,6 +23,8 @@ def main():
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--replace-module-on-rank", type=int, default=None,
+                   help="(a failure test) swap one Linear for a fresh one on that rank only, after loading")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -31,6 +33,8 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(args.model)
     built_on_meta = gather_object([any(p.is_meta for p in model.parameters())])
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    if args.replace_module_on_rank == accelerator.process_index:
+        model.base_model.model.model.layers[1].mlp.down_proj = torch.nn.Linear(64, 32, bias=False)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     data = torch.randint(0, 64, (4 * args.steps, 12), generator=torch.Generator().manual_seed(7))
     loader = DataLoader(TensorDataset(data), batch_size=2)

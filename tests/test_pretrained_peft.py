@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
         launcher.run(launcher.command(name, SCRIPT, ["--model", str(model), "--out", str(folder)]),
                      reference_output=folder / "out.json" if name == "ddp" else None)
         out[name] = (json.loads((folder / "out.json").read_text()), folder)
-    return model, out
+    return model, out, launcher
 
 
 def _load(folder: Path, name: str):
@@ -75,7 +75,7 @@ def _load(folder: Path, name: str):
 
 @pytest.mark.slow
 def test_lora_over_partitioned_from_pretrained_loads_the_base_weights_exactly(runs):
-    model, out = runs
+    model, out, _ = runs
     (ref, ref_folder), (got, folder) = out["ddp"], out["zero3_init"]
     assert got["accelerator_class"] == "ZeroAccelerator" and got["num_processes"] == 2
     assert got["built_on_meta"] == [True, True] and ref["built_on_meta"] == [False, False]
@@ -98,6 +98,21 @@ def test_lora_over_partitioned_from_pretrained_loads_the_base_weights_exactly(ru
     assert _close(got["losses"][0], ref["losses"][0], rtol=1e-6), (got["losses"], ref["losses"])
     assert _close(got["losses"], ref["losses"], rtol=1e-5), (got["losses"], ref["losses"])
     assert got["losses"][-1] != got["losses"][0]  # the adapters train
+
+
+@pytest.mark.slow
+def test_a_loading_error_on_one_rank_stops_every_rank(runs, tmp_path):
+    """Rank 1 alone swaps a module after loading: rank 1 refuses to load, and rank 0,
+    whose own model is fine, stops too, naming rank 1's error (rather than waiting in a
+    collective for it)."""
+    model, _, launcher = runs
+    args = ["--model", str(model), "--out", str(tmp_path / "out"), "--replace-module-on-rank", "1"]
+    proc = launcher.run(launcher.command("zero3_init", SCRIPT, args), expect_ok=False)
+    assert proc.returncode != 0
+    assert "model.layers.1.mlp.down_proj.weight" in proc.stderr
+    assert "[rank0]" in proc.stderr and "partitioned loading failed on another rank, so this one stops too: rank 1: " \
+        "ValueError: partitioned loading refused" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "out.json").exists()
 
 
 # ---------------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ class ZeroAccelerator(Accelerator):
 
         # sync_module_states: every rank starts from rank 0's values, as DDP does.  A model
         # from a partitioned from_pretrained (zero3_init_flag) is filled from its files now.
-        source = _pretrained.sources_in(model)
+        source = self._zero_agreed("partitioned loading", lambda: _pretrained.sources_in(model))
         self._zero_engine = engine = zero_strategy.initialize(
             model, optimizer, self.zero_config, sync_module_states=True, device=self.device, pretrained=source
         )
@@ -185,6 +185,29 @@ class ZeroAccelerator(Accelerator):
         if wrapper is not None:
             _retire_wrapper(wrapper)
         self._zero_pending = [m for m in self._zero_pending if m is not model]
+
+    def _zero_agreed(self, what: str, work):
+        """``work()`` on every rank; if it raises on any rank, every rank raises (naming the
+        ranks and their messages) instead of the others waiting in the engine's first
+        collective for a peer that gave up."""
+        error = None
+        try:
+            result = work()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error, result = exc, None
+        if self.num_processes > 1 and torch.distributed.is_initialized():
+            flag = torch.tensor([1 if error is not None else 0], device=self.device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            if flag.item() and error is None:
+                messages = [None] * self.num_processes
+                torch.distributed.all_gather_object(messages, None)
+                failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+                raise RuntimeError(f"zero_config: {what} failed on another rank, so this one stops too: {failed}")
+            if error is not None:
+                torch.distributed.all_gather_object([None] * self.num_processes, f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        return result
 
     def _zero_report_loading(self, model, sources, report) -> None:
         # What the stock from_pretrained would have said about the checkpoint.
