@@ -156,6 +156,12 @@ def _patch() -> None:
     cls.from_pretrained = classmethod(from_pretrained)
 
 
+def _short(value) -> str:
+    """A value for an error message: a state dict is not printed whole."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"<{type(value).__name__}>"
+
+
 def _is_default(value, default) -> bool:
     return value is None if default is None else (value is default or value == default)
 
@@ -166,7 +172,7 @@ def check_arguments(kwargs) -> None:
     for key, default in _DEFAULT_ONLY.items():
         if key in kwargs and not _is_default(kwargs[key], default):
             raise UnsupportedArgument(
-                f"zero3_init_flag: from_pretrained({key}={kwargs[key]!r}) is not supported with partitioned loading "
+                f"zero3_init_flag: from_pretrained({key}={_short(kwargs[key])}) is not supported with partitioned loading "
                 f"({_WHY[key]}); drop {key}= or load without zero3_init_flag"
             )
     _check_device_map(kwargs.get("device_map"))
@@ -201,7 +207,7 @@ def _check_device_map(device_map) -> None:
             return
         problem = "it splits the model over several devices (or the disk)"
     raise UnsupportedArgument(
-        f"zero3_init_flag: from_pretrained(device_map={device_map!r}) is not supported: {problem}, while ZeRO-3 "
+        f"zero3_init_flag: from_pretrained(device_map={_short(device_map)}) is not supported: {problem}, while ZeRO-3 "
         "partitions the model across the processes itself; drop device_map= (or pass device_map=None)"
     )
 
