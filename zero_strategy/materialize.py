@@ -403,8 +403,8 @@ class CheckpointBinding:
     Decided by name when the model is built, before anything wraps it, and kept by
     object (module and attribute): a wrapper that renames modules afterwards (PEFT's
     ``q_proj`` -> ``q_proj.base_layer``, a LightningModule holding the model) does not
-    change which tensor goes where.  ``resolve`` then checks, at engine time, that every
-    bound tensor still has its parameter and that no parameter lost its values."""
+    change which tensor goes where.  :func:`bind` then checks, at engine time, that
+    every bound tensor still has its parameter and that no parameter lost its values."""
 
     def __init__(self, model: nn.Module, folder, ignore_mismatched_sizes: bool = False,
                  ignore_unexpected=(), ignore_missing=()) -> None:
@@ -415,9 +415,11 @@ class CheckpointBinding:
         self.folder = str(folder)
         self.files = _weight_files(folder)
         shapes = {}
-        for key, f in self.files.items():
+        for f in sorted(set(self.files.values())):  # headers only: no tensor data is read
             with safe_open(str(f), framework="pt") as h:
-                shapes[key] = tuple(h.get_slice(key).get_shape())
+                for key in h.keys():
+                    if self.files.get(key) == f:
+                        shapes[key] = tuple(h.get_slice(key).get_shape())
         owners: Dict[int, list] = {}  # id(tensor) -> [(module, attribute, full name)], aliases of tied tensors
         tensors: Dict[int, torch.Tensor] = {}
         for prefix, module in model.named_modules(remove_duplicate=False):
