@@ -78,10 +78,11 @@ def _diverge_worker(rank, ws, config):
 
 @pytest.mark.slow
 def test_divergent_module_calls_end_every_rank_within_the_timeout():
-    """Without the order check, mismatched collectives pair up on gloo; gloo itself may
-    abort a process whose collective does not match (SIGABRT, which no Python code can
-    catch).  What is guaranteed: no rank hangs, and every rank still alive raises
-    CollectiveError saying where each rank was."""
+    """Without the order check, the first divergent collective is caught in-band by its
+    header when the sizes match; here they differ (blocks.2 against the root unit), and
+    gloo itself may abort the process that receives more than it posted (SIGABRT, which
+    no Python code can catch).  What is guaranteed: no rank hangs, and every rank still
+    alive raises CollectiveError saying where each rank was."""
     result = run_distributed_outcomes(_diverge_worker, 2, {}, timeout=3 * BOUND)
     assert not result["timed_out"] and result["seconds"] < BOUND, result
     ranks = result["ranks"]
