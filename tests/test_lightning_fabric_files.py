@@ -23,7 +23,9 @@ ZERO = ("zero1", "zero2", "zero3", "zero3-t0")
 def test_fabric_loads_single_files_and_skips_init_when_asked(tmp_path):
     """ddp's ``fabric.save`` file, a raw ``model.state_dict()`` file and a file consolidated
     from a ZeRO directory all load into a set-up ZeRO model with ddp's weights (``load`` and
-    ``load_raw``); the optimizer state of a single file is reported as not restored.
+    ``load_raw``); the optimizer state of a single file (ddp's, a raw ``optimizer.state_dict()``
+    file, a consolidated one) comes back as ddp's optimizer holds it, exactly, without a warning;
+    ``load_raw(path, optimizer)`` of a file that is no optimizer state dict says so.
     ``init_module(empty_init=True)`` skips weight initialisation at stages 1-2 as it does
     under ddp, and initialises when empty_init is False.  ``fabric.save`` to a per-rank
     name writes one directory, at rank 0's path."""
@@ -31,6 +33,8 @@ def test_fabric_loads_single_files_and_skips_init_when_asked(tmp_path):
 
     _run(HERE, tmp_path)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    ddp_optimizer = torch.load(tmp_path / "ddp.ckpt", weights_only=True)["optimizer"]
+    assert ddp_optimizer["state"], "ddp stepped: its Adam state is not empty"
     for s in ZERO:
         for tag in ("load", "load_raw", "consolidated"):
             _assert_state_close(torch.load(tmp_path / f"{s}-{tag}.pt", weights_only=True), ddp, 0, 0, f"{s} {tag}")
@@ -38,8 +42,12 @@ def test_fabric_loads_single_files_and_skips_init_when_asked(tmp_path):
             got = json.loads((tmp_path / f"{s}.rank{r}.json").read_text())
             assert got["step"] == 3 and got["consolidated_step"] == 3, got
             assert got["per_rank_dirs"] == [f"{s}-rank0-dir"], got["per_rank_dirs"]
-            assert "cannot be loaded into the sharded ZeRO optimizer" in got["raw_optimizer_error"], got
-            assert len(got["optimizer_warnings"]) == (1 if r == 0 else 0), got
+            assert "not a torch optimizer state dict" in got["raw_optimizer_error"], got
+            assert got["optimizer_warnings"] == [], got
+        for tag in ("load", "load_raw", "consolidated"):
+            osd = torch.load(tmp_path / f"{s}-{tag}-optimizer.pt", weights_only=True)
+            torch.testing.assert_close(osd["state"], ddp_optimizer["state"], atol=0, rtol=0, msg=lambda m: f"{s} {tag}: {m}")
+            assert [{k: v for k, v in g.items()} for g in osd["param_groups"]] == ddp_optimizer["param_groups"], (s, tag)
     ref = [json.loads((tmp_path / f"init-ddp.rank{r}.json").read_text()) for r in (0, 1)]
     assert ref[0] == {"empty_init=True": False, "empty_init=False": True, "empty_init=None": True}, ref[0]
     for s in ("zero1", "zero2"):
@@ -81,6 +89,11 @@ def _main(out):
         if fabric.global_rank == 0:
             torch.save(sd, out / name)
 
+    def save_optimizer(fabric, name):
+        osd = fabric.strategy.engine.full_optimizer_state_dict(rank0_only=True)
+        if fabric.global_rank == 0:
+            torch.save(osd, out / name)
+
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)
     out = Path(out)
@@ -98,6 +111,7 @@ def _main(out):
     save_weights(fabric, model, "ddp.pt")
     if fabric.global_rank == 0:
         torch.save(model.module.state_dict(), out / "raw.pt")
+        torch.save(optimizer.optimizer.state_dict(), out / "raw-optimizer.pt")
     fabric.barrier()
 
     for s in ZERO:
@@ -112,6 +126,7 @@ def _main(out):
         info["optimizer_warnings"] = [str(w.message) for w in caught if "optimizer state" in str(w.message)]
         info["step"] = state["step"]
         save_weights(fabric, model, f"{s}-load.pt")
+        save_optimizer(fabric, f"{s}-load-optimizer.pt")
 
         model2, optimizer2 = fabric.setup(*build(2))
         fabric.load_raw(out / "raw.pt", model2)
@@ -119,8 +134,10 @@ def _main(out):
         try:
             fabric.load_raw(out / "ddp.ckpt", optimizer2)
             info["raw_optimizer_error"] = ""
-        except NotImplementedError as e:
+        except ValueError as e:
             info["raw_optimizer_error"] = str(e)
+        fabric.load_raw(out / "raw-optimizer.pt", optimizer2)
+        save_optimizer(fabric, f"{s}-load_raw-optimizer.pt")
 
         # A per-rank name: every rank writes to rank 0's path (one directory).
         fabric.save(out / f"{s}-rank{fabric.global_rank}-dir", {"model": model, "optimizer": optimizer, "step": 3})
@@ -131,10 +148,11 @@ def _main(out):
             consolidate_checkpoint(out / f"{s}-dir", out / f"{s}-consolidated.ckpt")
         fabric.barrier()
         model3, optimizer3 = fabric.setup(*build(3))
-        state3 = {"model": model3, "step": 0}
+        state3 = {"model": model3, "optimizer": optimizer3, "step": 0}
         fabric.load(out / f"{s}-consolidated.ckpt", state3)
         info["consolidated_step"] = state3["step"]
         save_weights(fabric, model3, f"{s}-consolidated.pt")
+        save_optimizer(fabric, f"{s}-consolidated-optimizer.pt")
         (out / f"{s}.rank{fabric.global_rank}.json").write_text(json.dumps(info))
 
     class Filled(nn.Module):

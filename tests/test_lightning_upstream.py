@@ -27,7 +27,8 @@
 #     test_deepspeed_inference_precision_during_inference: DeepSpeed JSON-config semantics (an optimizer
 #     or scheduler built from the config, logging batch size, loss-scale keys); ZeRO has no such config.
 #   test_deepspeed_custom_activation_checkpointing_params(_forwarded): DeepSpeed's activation
-#     checkpointing options; ZeRO has none (torch.utils.checkpoint inside the model works as usual).
+#     checkpointing config keys (partition_activations, cpu_checkpointing, ...); ZeRO's own
+#     activation_checkpointing option is tested in tests/test_activation_and_buffers.py.
 #   test_deepspeed_configure_gradient_clipping, test_deepspeed_gradient_clip_by_value: DeepSpeed ignores
 #     configure_gradient_clipping and cannot clip by value, so it warns/raises; ZeRO clips (by norm over
 #     the shards and by value), compared with ddp in tests/test_lightning.py (accum_clip).
@@ -35,8 +36,8 @@
 #   test_validate_parallel_devices_indices, test_deepspeed_strategy_env_variables: CUDA device indices
 #     and DeepSpeed's own distributed initialisation.
 #   test_deepspeed_multigpu_stage_3_warns_resume_training: the warning says optimizer state cannot be
-#     restored from a single file; ZeRO restores it (tests/test_lightning_optimizer_state.py checks it
-#     exactly against ddp), so the warning must not appear -- checked there.
+#     restored from a single file; ZeRO restores it (test_strategy_load_optimizer_states and
+#     test_resume_across_strategies_continues_exactly below check it exactly against ddp).
 # pytorch/test_fsdp.py
 #   test_invalid_on_cpu: FSDP refuses CPU; ZeRO runs on CPU.
 #   test_custom_mixed_precision, test_strategy_cpu_offload, test_sharding_strategy,
@@ -63,7 +64,7 @@
 #   The others duplicate FSDP cases ported below and are run once: test_modules_without_parameters,
 #     test_module_init_context (32-true), test_strategy_state_dict (full), test_save_load_sharded_state_
 #     dict, test_load_full_state_checkpoint_into_regular_model / test_load_standard_checkpoint_into_
-#     distributed_model (= test_strategy_save/load_optimizer_states, in test_lightning_optimizer_state.py).
+#     distributed_model (= test_strategy_save/load_optimizer_states below).
 # fabric/test_deepspeed.py
 #   test_deepspeed_only_compatible_with_cuda, test_validate_parallel_devices_indices: CUDA.
 #   test_deepspeed_with_env_path, test_deepspeed_custom_activation_checkpointing_params,
@@ -97,8 +98,6 @@
 #     test_rewrap_warnings, test_no_call_to_apply: FSDP wrapping and torch.compile re-application.
 #   test_save_filter: FSDP's "full" single file supports a filter; ZeRO writes a directory of shards and
 #     refuses a filter as DeepSpeed does (test_deepspeed_save_filter, ported).
-#   test_save_full_state_dict, test_save_sharded_and_consolidate_and_load: in
-#     tests/test_lightning_optimizer_state.py (optimizer state in torch's format, exact against ddp).
 # fabric/test_model_parallel.py, test_model_parallel_integration.py: device meshes, tensor parallelism,
 #   DTensor and torch.compile (as for the Trainer); the FSDP-like cases duplicate the FSDP ports.
 """Lightning's own sharding-strategy tests, run for zero1, zero2, zero3 and zero3 at threshold 0.
@@ -108,7 +107,9 @@ launches (Trainer, Fabric) of this file as a script on 2 CPU processes started t
 Lightning's standalone tests run (each process gets LOCAL_RANK; no launcher that would kill the
 other rank when a case raises on purpose); every case runs for every strategy and its outcome per
 rank is recorded, then one pytest test per case checks it.  ``ZERO_UPSTREAM_REFERENCE=ddp`` adds
-strategy="ddp" as a control (to check an adaptation, not run in CI).
+strategy="ddp" as a control (to check an adaptation, not run in CI): every case passes under ddp
+too except test_deepspeed_multi_save_same_filepath, whose listing on rank 1 races rank 0's removal
+of the replaced checkpoint under ddp (ZeroStrategy.remove_checkpoint waits for rank 0).
 """
 from __future__ import annotations
 

@@ -79,6 +79,13 @@ def _load_optimizer(strategy, optimizer, optimizer_state: dict) -> None:
     """A torch-format optimizer state dict (what ddp or a single device saves, or a
     consolidated file holds): into the sharded optimizer of a set-up module (each rank
     keeps its pieces), or as usual into an optimizer not set up yet."""
+    if not (isinstance(optimizer_state, dict) and "state" in optimizer_state and "param_groups" in optimizer_state):
+        held = sorted(optimizer_state) if isinstance(optimizer_state, dict) else type(optimizer_state).__name__
+        raise ValueError(
+            f"the optimizer's entry is not a torch optimizer state dict ({{'state': ..., 'param_groups': ...}}); it "
+            f"holds {held}. fabric.load_raw(path, optimizer) takes a torch.save(optimizer.state_dict()) file; a "
+            "fabric.save checkpoint loads with fabric.load(path, {'model': model, 'optimizer': optimizer})"
+        )
     engine = strategy._engine_of_optimizer(optimizer)
     if engine is None:
         optimizer.load_state_dict(optimizer_state)

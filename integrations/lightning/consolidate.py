@@ -141,8 +141,14 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     ckpt = consolidate_checkpoint(args.checkpoint_dir, args.output_file, weights_only=not args.trust_pickle)
-    n = sum(t.numel() for t in ckpt["state_dict"].values() if isinstance(t, torch.Tensor))
-    print(f"wrote {args.output_file}: {len(ckpt['state_dict'])} tensors, {n:,} elements")
+    weights = ckpt.get("state_dict")
+    if weights is None:  # a fabric.save directory: the model under its own key
+        weights = next((v for v in ckpt.values() if isinstance(v, dict) and v and
+                        all(isinstance(t, torch.Tensor) for t in v.values())), {})
+    n = sum(t.numel() for t in weights.values())
+    optimizer = " and the optimizer state" if ckpt.get("optimizer_states") or any(
+        isinstance(v, dict) and "param_groups" in v for v in ckpt.values()) else ""
+    print(f"wrote {args.output_file}: {len(weights)} tensors, {n:,} elements{optimizer}")
     return 0
 
 
