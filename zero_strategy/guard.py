@@ -98,6 +98,11 @@ class PartitionedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Traced by torch.compile: the unit's pre-forward hook (run eagerly) has
+            # gathered what the compiled region uses; the graph sees a plain tensor.
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func not in _METADATA:
             for p in _partitioned(args, kwargs):
                 if func in _MOVES and args and args[0] is p and _is_noop_move(func, args, kwargs):

@@ -34,8 +34,8 @@ def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
                 lambda _p, e=engine_ref, u=unit_ref, i=pos: _forward_grad(e, u, i)))
 
     root = engine.module
-    handles.append(root.register_forward_pre_hook(lambda m, a, k: engine._on_root_pre_forward(a, k), with_kwargs=True))
-    handles.append(root.register_forward_hook(lambda m, a, o: engine._on_root_post_forward()))
+    handles.append(root.register_forward_pre_hook(_eager(lambda m, a, k: engine._on_root_pre_forward(a, k)), with_kwargs=True))
+    handles.append(root.register_forward_hook(_eager(lambda m, a, o: engine._on_root_post_forward())))
 
     gatherer = engine.gatherer
     if gatherer is None:
@@ -50,8 +50,8 @@ def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
         def post(module, args, output, g=group):
             gatherer.post_forward(g, output)
 
-        handles.append(group.module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(group.module.register_forward_hook(post))
+        handles.append(group.module.register_forward_pre_hook(_eager(pre), with_kwargs=True))
+        handles.append(group.module.register_forward_hook(_eager(post)))
 
     # Lazy gathering for direct calls to submodules holding partitioned parameters.
     group_of_param = {}
@@ -73,8 +73,15 @@ def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
                 else:
                     g.wait()
 
-        handles.append(module.register_forward_pre_hook(lazy))
+        handles.append(module.register_forward_pre_hook(_eager(lazy)))
     return handles
+
+
+def _eager(hook):
+    """Under torch.compile the hooks run eagerly (a graph break at each unit module's
+    boundary), so gathers, releases and their collectives happen for real between the
+    compiled regions instead of being traced into them (see docs/core.md, torch.compile)."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _forward_grad(engine_ref, unit_ref, pos: int) -> None:
