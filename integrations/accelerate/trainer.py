@@ -8,8 +8,14 @@ directly, and for a third-party engine it takes the generic DDP branches:
 * ``save_model`` would save ``model.state_dict()`` from rank 0 alone (under stage 3 the
   parameters are partitioned) -> consolidate on every rank, write on the main one;
 * ``_save_optimizer_and_scheduler`` would save rank 0's optimizer shard as if it were
-  the whole optimizer -> every rank writes its shard (``zero_checkpoint/``);
-* ``_load_optimizer_and_scheduler`` -> every rank restores its shard;
+  the whole optimizer -> every rank writes its shard (``zero_checkpoint/``), and rank 0
+  also writes ``optimizer.pt`` in torch's own format (the whole optimizer state as a
+  plain optimizer holds it), so a run under a plain DDP config resumes from the same
+  checkpoint with its optimizer state (the stock Trainer would otherwise skip it
+  without a word);
+* ``_load_optimizer_and_scheduler`` -> every rank restores its shard from
+  ``zero_checkpoint/``, or, for a checkpoint a DDP run wrote, its part of
+  ``optimizer.pt``;
 * ``_load_from_checkpoint`` / ``_load_best_model`` on an already partitioned model ->
   load the consolidated weights through the engine.
 
@@ -27,6 +33,7 @@ import torch
 from . import state as _state
 
 _SCHEDULER_NAME = "scheduler.pt"
+_OPTIMIZER_NAME = "optimizer.pt"  # the stock Trainer's name for it
 
 
 def _engine(trainer):
@@ -53,6 +60,10 @@ def _save_optimizer_and_scheduler(original, self, output_dir):
     if engine is None:
         return original(self, output_dir)
     _state.save_engine(engine, output_dir)
+    full = engine.full_optimizer_state_dict()  # collective; rank 0 gets it
+    if self.args.should_save:
+        torch.save(full, os.path.join(output_dir, _OPTIMIZER_NAME))
+    del full
     if self.args.should_save and self.lr_scheduler is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's "save the optimizer too" reminder
@@ -63,7 +74,14 @@ def _load_optimizer_and_scheduler(original, self, checkpoint):
     engine = _engine(self)
     if engine is None or checkpoint is None:
         return original(self, checkpoint)
-    _state.load_engine(engine, checkpoint)
+    from zero_strategy.checkpoint_files import existing
+
+    plain = os.path.join(checkpoint, _OPTIMIZER_NAME)
+    if existing(os.path.join(checkpoint, _state.CHECKPOINT_SUBDIR)) is None and os.path.isfile(plain):
+        # Written by a run without zero_config (DDP): the whole state in torch's format.
+        engine.load_full_optimizer_state_dict(torch.load(plain, map_location="cpu", weights_only=True))
+    else:
+        _state.load_engine(engine, checkpoint)
     scheduler_file = os.path.join(checkpoint, _SCHEDULER_NAME)
     if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
         self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
