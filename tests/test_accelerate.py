@@ -224,7 +224,7 @@ def test_loop_matches_ddp_fp32(launcher, stage):
     ref, _ = launcher.loop("ddp_fp32", "ddp")
     # stage 2 prepares the model first and the optimizer in a second call
     extra = ["--prepare-separately"] if stage == 2 else []
-    got, _ = launcher.loop(f"zero{stage}_fp32", f"zero{stage}", extra=extra)
+    got, folder = launcher.loop(f"zero{stage}_fp32", f"zero{stage}", extra=extra)
     assert got["accelerator_class"] == "ZeroAccelerator" and ref["accelerator_class"] == "Accelerator"
     assert got["num_processes"] == 2 and got["distributed_type"] == "DistributedType.MULTI_CPU"
     assert _close(got["losses"], ref["losses"], rtol=1e-5), (got["losses"], ref["losses"])
@@ -234,6 +234,13 @@ def test_loop_matches_ddp_fp32(launcher, stage):
     assert min(ref["grad_norms"]) > 0.5
     assert got["lrs"] == ref["lrs"] and got["skipped"] == [False] * 6
     assert got["unwrap_is_model"] == [True, True]
+    # Rank 0 says once that ZeRO is on, and what it partitioned; a plain DDP run says nothing.
+    logs = {p.read_text().splitlines()[0]: p.read_text() for p in launcher.root.glob("launch*.log")}
+    mine = [t for cmd, t in logs.items() if f"zero{stage}.yaml" in cmd and "train_loop" in cmd and str(folder) in cmd]
+    ddp_logs = [t for cmd, t in logs.items() if "ddp.yaml" in cmd and "ddp_fp32" in cmd]
+    assert len(mine) == 1 and mine[0].count(f"zero_strategy: ZeRO stage {stage} on 2 rank(s)") == 1, mine
+    assert "the ZeRO paper's formula" in mine[0]
+    assert ddp_logs and all("zero_strategy: ZeRO stage" not in t for t in ddp_logs)
 
 
 @pytest.mark.slow

@@ -173,6 +173,11 @@ class ZeroAccelerator(Accelerator):
         )
         if source is not None:
             self._zero_report_loading(model, source, engine.last_load_report)
+        from zero_strategy.startup import startup_line
+
+        line = startup_line(engine)  # every rank: describe() may communicate nothing, but stays symmetric
+        if self.is_main_process:
+            print(f"zero_strategy: {line}", flush=True)  # nothing else says that ZeRO is on
         atexit.register(_release_process_group, weakref.ref(engine))
         if engine.config.shards_parameters:
             # transformers' generate() (and a few speech models) then keep every rank

@@ -240,26 +240,11 @@ def _engine_device(engine) -> torch.device:
 
 
 def setup_line(engine) -> str:
-    """The one line logged on rank 0 when a strategy builds an engine: what runs (the
-    engine's ``describe()``: stage, world size, units, model-state MiB on this rank) and,
-    beside it, the ZeRO paper's per-rank formula for the same model (``zero_strategy.estimate``,
-    with K for the optimizer in use; omitted for an optimizer the formula has no K for)."""
-    line = engine.describe()
-    try:
-        from zero_strategy import estimate
+    """The one line logged on rank 0 when a strategy builds an engine (the core's
+    :func:`zero_strategy.startup.startup_line`: what runs, beside the paper's formula)."""
+    from zero_strategy.startup import startup_line
 
-        summary = engine.unit_summary()
-        psi = sum(u["numel"] for u in summary["units"])
-        opt = engine.inner_optimizer
-        if psi and opt is not None:
-            name = type(opt).__name__.lower()
-            if name == "sgd" and not any(g.get("momentum", 0) for g in opt.param_groups):
-                name = "sgd_nomomentum"
-            formula = estimate(psi, summary["world_size"], summary["stage"], engine.config.precision, name).total
-            line += f" (the ZeRO paper's formula: {formula / 2**20:.1f} MiB per rank for {psi:,} parameters, {type(opt).__name__})"
-    except (ValueError, KeyError, TypeError):
-        pass  # the formula is an aside; what runs is the line itself
-    return line
+    return startup_line(engine)
 
 
 def backward_kwargs(args: tuple, kwargs: dict) -> dict:
