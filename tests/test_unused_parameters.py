@@ -144,13 +144,14 @@ def _worker(rank, ws, kind, configs, directory):
         model2 = _model()
         engine2 = zero_strategy.initialize(model2, _optimizer(kind, model2.parameters()), other)
         engine2.load_checkpoint(ckpt)
+        hyper = {k: v for k, v in engine2.inner_optimizer.param_groups[0].items() if k != "params"}
         for ids, route in batches[SAVE_AT:]:
             engine2.backward(_loss(model2, ids.chunk(ws)[rank], route.chunk(ws)[rank]))
             engine2.step()
         resumed = engine2.full_state_dict(rank0_only=False)
         engine2.close()
         results[(stage, threshold)] = dict(initial=initial, after_step_2=after_step_2, final=final, local=local,
-                                           resumed=resumed)
+                                           resumed=resumed, hyper=hyper)
     return results
 
 
@@ -161,6 +162,7 @@ CONFIGS = [(0, None), (1, None), (2, None), (3, 0)]
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_parameters_without_gradients_are_left_alone_at_every_stage(kind, tmp_path):
     ref, ref_has_state, ref_steps = _reference(kind)
+    plain_hyper = {k: v for k, v in _optimizer(kind, _model().parameters()).param_groups[0].items() if k != "params"}
     assert not ref_has_state["moe.experts.2.0.weight"] and ref_has_state["moe.experts.3.0.weight"]  # the scenario holds
     by_rank = run_distributed(_worker, 2, kind, CONFIGS, str(tmp_path))
     for config in CONFIGS:
@@ -174,6 +176,10 @@ def test_parameters_without_gradients_are_left_alone_at_every_stage(kind, tmp_pa
             torch.testing.assert_close(value, ref[name], rtol=0, atol=2e-6, msg=lambda m: f"{config} {name}: {m}")
             torch.testing.assert_close(got["resumed"][name], ref[name], rtol=0, atol=2e-6,
                                        msg=lambda m: f"{config} resumed {name}: {m}")
+        # Hyperparameters come back from the checkpoint as the optimizer had them (types too:
+        # Adam's betas are a tuple, which JSON does not have).
+        assert by_rank[0][config]["hyper"] == plain_hyper, config
+        assert all(type(v) is type(plain_hyper[k]) for k, v in by_rank[0][config]["hyper"].items()), config
         for r in (0, 1):
             for name, (has_state, step) in by_rank[r][config]["local"].items():
                 assert has_state == ref_has_state[name], (config, r, name)

@@ -727,7 +727,9 @@ def _apply(engine, plan: _Plan) -> None:
                 buffers[n].copy_(reader.shared(f"buffer.{n}"))
     if restore_optimizer:
         for group, saved in zip(opt.param_groups, m["optimizer"]["param_groups"]):
-            group.update(saved)
+            # JSON has no tuples: give a tuple-valued hyperparameter (Adam's betas) its type back.
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+                          for k, v in saved.items()})
     engine.scaler.load_state_dict(m["loss_scaler"])  # validated with the manifest
     engine.global_step = m["step"]
     engine.zero_grad()
