@@ -1,5 +1,8 @@
 """Optimizer state in torch's own format, both directions, against plain torch.
 
+(Also ``zero_strategy.checkpoint.load_consolidated_optimizer_state``: the same state read
+offline from a checkpoint directory.)
+
 ``engine.full_optimizer_state_dict()`` must equal what the same optimizer holds after the
 same steps without ZeRO (plain torch on one process over each step's global batch:
 what DDP holds on every rank), key for key, including which parameters have no state
@@ -35,7 +38,7 @@ def _plain(steps, ws=2, start=None):
     return model, opt
 
 
-def _worker(rank, ws, configs, handed_over):
+def _worker(rank, ws, configs, handed_over, directory):
     import zero_strategy
 
     batches = _batches()
@@ -51,6 +54,7 @@ def _worker(rank, ws, configs, handed_over):
             engine.backward(_loss(model, ids.chunk(ws)[rank], route.chunk(ws)[rank]))
             engine.step()
         saved = engine.full_optimizer_state_dict()
+        engine.save_checkpoint(f"{directory}/{stage}-{threshold}")
         everywhere = engine.full_optimizer_state_dict(rank0_only=False)
         engine.close()
         # torch format (a plain run's state) -> ZeRO, then the remaining steps.
@@ -68,8 +72,15 @@ def _worker(rank, ws, configs, handed_over):
     return out
 
 
-def _assert_same_optimizer_state(got, want, where):
-    assert got["param_groups"] == want["param_groups"], where
+def _plain_json(groups):
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+
+def _assert_same_optimizer_state(got, want, where, json_groups=False):
+    if json_groups:  # read back from a manifest: JSON has lists where torch has tuples
+        assert _plain_json(got["param_groups"]) == _plain_json(want["param_groups"]), where
+    else:
+        assert got["param_groups"] == want["param_groups"], where
     assert sorted(got["state"]) == sorted(want["state"]), where  # same parameters have state
     for idx, st in want["state"].items():
         assert sorted(got["state"][idx]) == sorted(st), (where, idx)
@@ -86,7 +97,9 @@ CONFIGS = [(0, None), (1, None), (2, None), (3, 0)]
 
 
 @pytest.mark.slow
-def test_torch_format_optimizer_state_both_directions():
+def test_torch_format_optimizer_state_both_directions(tmp_path):
+    from zero_strategy.checkpoint import load_consolidated_optimizer_state
+
     batches = _batches()
     ref_model, ref_opt = _plain(batches[:SPLIT])
     reference = copy.deepcopy(ref_opt.state_dict())  # state_dict() holds the live tensors
@@ -97,10 +110,13 @@ def test_torch_format_optimizer_state_both_directions():
     cont_params = dict(cont_model.named_parameters())
     cont_state = cont_opt.state_dict()
 
-    by_rank = run_distributed(_worker, 2, CONFIGS, handed_over)
+    by_rank = run_distributed(_worker, 2, CONFIGS, handed_over, str(tmp_path))
     for config in CONFIGS:
         got = by_rank[0][config]
         _assert_same_optimizer_state(got["saved"], reference, (config, "saved"))
+        # Offline, from the checkpoint directory (no process group): the same state.
+        offline = load_consolidated_optimizer_state(tmp_path / f"{config[0]}-{config[1]}")
+        _assert_same_optimizer_state(offline, reference, (config, "from the checkpoint"), json_groups=True)
         assert by_rank[1][config]["saved"] == {}  # rank0_only
         _assert_same_optimizer_state(by_rank[1][config]["everywhere"], reference, (config, "every rank"))
         for name, value in got["final"].items():

@@ -16,7 +16,7 @@ from .materialize import init_context, keep_meta_on_moves
 from .guard import PartitionedParameterError
 from .comm import CollectiveError
 from .fingerprint import SetupMismatchError
-from .checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
+from .checkpoint import CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_state_dict
 
 __version__ = "0.1.0"
 
@@ -73,6 +73,7 @@ __all__ = [
     "keep_meta_on_moves",
     "CheckpointError",
     "consolidate",
+    "load_consolidated_optimizer_state",
     "load_consolidated_state_dict",
     "__version__",
 ]

@@ -47,6 +47,7 @@ import re
 import secrets
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -66,7 +67,7 @@ CONFIG = "config.json"
 _KEY = re.compile(r"^unit(\d+)\.(value|optim\.(.+)|optim_scalar\.(.+)|optim_present)$")
 
 __all__ = ["CheckpointError", "CheckpointReader", "FORMAT_VERSION", "consolidate", "load_checkpoint",
-           "load_client_state", "load_consolidated_state_dict", "save_checkpoint"]
+           "load_client_state", "load_consolidated_optimizer_state", "load_consolidated_state_dict", "save_checkpoint"]
 
 
 def _rank_file(d: Path, r: int, ext: str) -> Path:
@@ -114,9 +115,18 @@ def _manifest(engine, units: list, tensors: list, checkpoint_id: str, table: dic
         world_size=engine.comm.world_size, stage=engine.policies.stage.stage, precision=cfg.precision, config=cfg.to_dict(),
         model_class=type(engine.module).__name__, tensors=tensors, units=units,
         buffers=_persistent_buffer_names(engine.module),
-        optimizer=None if engine.inner_optimizer is None else dict(cls=type(engine.inner_optimizer).__name__, param_groups=groups),
+        optimizer=None if engine.inner_optimizer is None else dict(
+            cls=type(engine.inner_optimizer).__name__, param_groups=groups,
+            # Each optimizer parameter's first name, in the order the user gave them (None:
+            # not partitioned by ZeRO), so the state can be consolidated in torch's format.
+            param_names=[[None if place is None else _unit_of(engine, place[0]).names[place[1]][0] for place in group]
+                         for group in engine.optimizer_param_places]),
         loss_scaler=engine.scaler.state_dict(), step=engine.global_step, checksum="crc32", files=table,
     )
+
+
+def _unit_of(engine, index: int):
+    return next(u for u in engine.units if u.index == index)
 
 
 def _persistent_buffer_names(module) -> List[str]:
@@ -842,6 +852,42 @@ def load_consolidated_state_dict(directory, dtype: Optional[torch.dtype] = None)
     finally:
         reader.close()
     return out
+
+
+def load_consolidated_optimizer_state(directory) -> Optional[dict]:
+    """The optimizer state of a checkpoint in torch's own format, as the optimizer held it
+    without ZeRO: ``{"state": {index: {...}}, "param_groups": [{..., "params": [...]}]}``,
+    indices counting the parameters in the order they were given to the optimizer,
+    per-element state whole and shaped like its parameter, no entry for a parameter that
+    had none (frozen, never stepped).  What a DDP run's ``optimizer.state_dict()`` is, so
+    it loads into a plain optimizer; ``engine.load_full_optimizer_state_dict`` takes it too.
+    None when the checkpoint has no optimizer state or was saved before the parameter
+    order was recorded.  Needs no process group; every file is verified first."""
+    reader = CheckpointReader(directory)
+    try:
+        reader.verify()
+        saved = reader.manifest.get("optimizer")
+        if not saved or "param_names" not in saved:
+            return None
+        by_name = {n: e for e in reader.manifest["tensors"] for n in e["names"]}
+        rank_json = functools.lru_cache(maxsize=None)(reader.rank_json)
+        state, groups, index = {}, [], 0
+        for names, group in zip(saved["param_names"], saved["param_groups"]):
+            ids = []
+            for name in names:
+                entry = by_name.get(name) if name is not None else None
+                if entry is not None:
+                    like = SimpleNamespace(shape=tuple(entry["shape"]), device=torch.device("cpu"))
+                    st = _saved_param_state(reader, entry, 0, _numel(entry["shape"]), like, rank_json)
+                    if st:
+                        state[index] = {k: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                                        for k, v in st.items()}
+                ids.append(index)
+                index += 1
+            groups.append({**group, "params": ids})
+        return {"state": state, "param_groups": groups}
+    finally:
+        reader.close()
 
 
 def _refuse_overlap(requested: Path, checkpoint: Path, out: Path) -> None:

@@ -179,6 +179,11 @@ def validate(m: Any, path: Path) -> None:
     if opt is not None:
         c.dict(opt, "optimizer")
         c.str(c.key(opt, "cls", "optimizer"), "optimizer.cls")
+        if "param_names" in opt:
+            names = c.list(opt["param_names"], "optimizer.param_names")
+            if len(names) != len(opt.get("param_groups") or []) or not all(
+                    isinstance(g, list) and all(n is None or isinstance(n, str) for n in g) for g in names):
+                c.fail("optimizer.param_names must hold one list of parameter names (or null) per param group")
         for i, g in enumerate(c.list(c.key(opt, "param_groups", "optimizer"), "optimizer.param_groups")):
             c.dict(g, f"optimizer.param_groups[{i}]")
             if "params" in g:

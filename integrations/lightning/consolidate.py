@@ -47,7 +47,7 @@ def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None, *,
     names = checkpoint.pop(OPTIMIZER_NAMES, None)
     checkpoint["state_dict"] = _compact(_in_order(load_consolidated_state_dict(directory), order))
     checkpoint.pop("optimizer_states", None)
-    optimizer_state = _optimizer_state(directory, names) if names is not None else None
+    optimizer_state = _optimizer_state(directory, names)
     objects = checkpoint.pop(OBJECTS_KEY, None)
     if isinstance(objects, dict) and objects.get("module"):
         # fabric.save: the layout ddp's fabric.save writes, each object under its own key
@@ -88,44 +88,20 @@ def _compact(state_dict: dict) -> dict:
 
 
 def _optimizer_state(directory: Path, names) -> Optional[dict]:
-    """The optimizer state in torch's format: ``{"state": {index: {...}}, "param_groups":
-    [{..., "params": [indices]}]}``, indices counting the parameters in the optimizer's
-    order (recorded at save time), per-element state whole and shaped like its parameter.
-    A parameter that had no state (never stepped, or frozen) has no entry, as in torch."""
-    from zero_strategy.checkpoint import CheckpointReader, _saved_param_state
+    """The optimizer state in torch's format (the core's
+    :func:`zero_strategy.checkpoint.load_consolidated_optimizer_state`), with the
+    param-group hyperparameters as the strategy recorded them at save time (Python
+    types, e.g. Adam's betas as a tuple, which the manifest's JSON cannot keep)."""
+    from zero_strategy.checkpoint import load_consolidated_optimizer_state
 
-    reader = CheckpointReader(directory)
-    try:
-        reader.verify()
-        saved = reader.manifest.get("optimizer")
-        if not saved:
-            return None
-        by_name = {n: e for e in reader.manifest["tensors"] for n in e["names"]}
-        cache: dict = {}
-
-        def rank_json(rank):
-            if rank not in cache:
-                cache[rank] = reader.rank_json(rank)
-            return cache[rank]
-
-        recorded = names.get("param_groups") or saved["param_groups"]
-        groups_hp = [{**json_group, **py_group} for json_group, py_group in zip(saved["param_groups"], recorded)]
-        state, groups, index = {}, [], 0
-        for group_names, group in zip(names["params"], groups_hp):
-            ids = []
-            for name in group_names:
-                entry = by_name.get(name) if name is not None else None
-                if entry is not None:
-                    like = torch.empty(entry["shape"])
-                    st = _saved_param_state(reader, entry, 0, like.numel(), like, rank_json)
-                    if st:
-                        state[index] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
-                ids.append(index)
-                index += 1
-            groups.append({**group, "params": ids})
-        return {"state": state, "param_groups": groups}
-    finally:
-        reader.close()
+    state = load_consolidated_optimizer_state(directory)
+    if state is None:
+        return None
+    recorded = names.get("param_groups") if isinstance(names, dict) else None
+    if recorded:
+        state["param_groups"] = [{**group, **hyper, "params": group["params"]}
+                                 for group, hyper in zip(state["param_groups"], recorded)]
+    return state
 
 
 def main(argv=None) -> int:
