@@ -421,7 +421,8 @@ class ZeroEngine:
             flags.extend(1.0 if i in received else 0.0 for i in range(len(u.params)))
         agreed = torch.tensor(flags, device=self._device())
         if len(flags) > 1 or self.policies.precision.loss_scaling:
-            agreed = self.comm.control_all_reduce(agreed, "max", label="the fp16 overflow check and the parameters that got gradients")
+            what = "which parameters got gradients" + (" and the fp16 overflow check" if self.policies.precision.loss_scaling else "")
+            agreed = self.comm.control_all_reduce(agreed, "max", label=what)
         if agreed.device.type == "meta":  # a planning dry run: every parameter counts as used
             self._used = None
             return False
