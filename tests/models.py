@@ -39,3 +39,24 @@ class ResidualBlock(torch.nn.Module):
 
     def forward(self, x):
         return torch.tanh(self.lin(x)) + x
+
+
+class TanhBlock(torch.nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Trunk(torch.nn.Module):
+    """Equal blocks (at stage 3, equal-sized all-gathers) and a head; returns the loss."""
+
+    def __init__(self, width=16, depth=3):
+        super().__init__()
+        self.trunk = torch.nn.Sequential(*[TanhBlock(width) for _ in range(depth)])
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.trunk(x)).pow(2).mean()

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_distributed_outcomes
+from models import Trunk
 
 T = 2.0  # collective_timeout in these tests (seconds)
 W = min(T, 5.0)  # diagnosis.report_window(T): how long a failing rank collects the others' reports
@@ -41,25 +42,6 @@ WIDTH = 16
 NOTES = "the user's notes, not a checkpoint\n"
 
 
-class Block(torch.nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-class Trunk(torch.nn.Module):
-    """Three equal blocks (at stage 3, equal-sized all-gathers) and a head."""
-
-    def __init__(self, width=WIDTH, depth=3):
-        super().__init__()
-        self.trunk = torch.nn.Sequential(*[Block(width) for _ in range(depth)])
-        self.head = torch.nn.Linear(width, 1)
-
-    def forward(self, x):
-        return self.head(self.trunk(x)).pow(2).mean()
 
 
 def _batch(rank, step):

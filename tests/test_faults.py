@@ -13,28 +13,12 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
+from models import Trunk
 
 TIMEOUT = 4.0  # collective_timeout in these tests: an error that needed a timeout would take longer
 WIDTH = 16
 
 
-class Block(torch.nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        return torch.tanh(self.lin(x))
-
-
-class Trunk(torch.nn.Module):
-    def __init__(self, width=WIDTH, depth=3):
-        super().__init__()
-        self.trunk = torch.nn.Sequential(*[Block(width) for _ in range(depth)])
-        self.head = torch.nn.Linear(width, 1)
-
-    def forward(self, x):
-        return self.head(self.trunk(x)).pow(2).mean()
 
 
 class Deeper(Trunk):
