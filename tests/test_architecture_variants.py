@@ -21,6 +21,7 @@ import torch
 import zoo
 from dist_harness import run_distributed
 from test_architectures import GLOBAL_BATCH, STEPS, _optimizer
+from test_architectures import reference as single_process_reference
 
 HF = ("gpt2", "llama", "t5", "bert")
 
@@ -44,18 +45,7 @@ def _apply(name, model, variant):
 def reference(name, variant, ws=2):
     model = _apply(name, zoo.build_model(name), variant)
     run = torch.compile(model) if variant.startswith("compile") else model
-    opt = _optimizer(model)
-    losses = []
-    for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for r in range(ws):
-            loss = zoo.loss_of(name, run, zoo.shard(batch, r, ws))
-            (loss / ws).backward()
-            total += float(loss) / ws
-        opt.step()
-        losses.append(total)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return single_process_reference(name, ws, model=model, run=run)
 
 
 def reference_bf16(name, ws=2):

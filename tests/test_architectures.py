@@ -27,15 +27,18 @@ def _optimizer(model):
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-3, weight_decay=0.01)
 
 
-def reference(name: str, ws: int):
-    model = zoo.build_model(name)
+def reference(name: str, ws: int, model=None, run=None):
+    """``model`` (default: the zoo's) trained on one process; ``run`` is what is called
+    (the model itself, or e.g. its torch.compile wrapper)."""
+    model = model if model is not None else zoo.build_model(name)
+    run = run if run is not None else model
     opt = _optimizer(model)
     losses = []
     for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for r in range(ws):
-            loss = zoo.loss_of(name, model, zoo.shard(batch, r, ws))
+            loss = zoo.loss_of(name, run, zoo.shard(batch, r, ws))
             (loss / ws).backward()
             total += float(loss) / ws
         opt.step()
