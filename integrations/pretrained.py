@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 import warnings
@@ -152,6 +153,9 @@ def _patch() -> None:
             return stock(klass, pretrained_model_name_or_path, *model_args, **kwargs)
         return _build_partitioned(klass, pretrained_model_name_or_path, folder, kwargs)
 
+    # The stock signature, docstring and source stay visible (help(), IDEs, and code
+    # that inspects from_pretrained's keywords see the real ones).
+    from_pretrained = functools.wraps(stock)(from_pretrained)
     from_pretrained._zero_strategy = True
     cls.from_pretrained = classmethod(from_pretrained)
 
