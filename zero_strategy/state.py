@@ -167,15 +167,15 @@ def _load_optimizer_keeping_group_dicts(optimizer, sd: dict) -> None:
 # torch.  Memory: one unit's per-element state of one key at a time is gathered.
 
 
-def _piece_states(engine) -> Dict[tuple, dict]:
-    """(unit, position) -> that piece's optimizer state on this rank."""
+def _piece_states(engine) -> Dict[tuple, tuple]:
+    """(unit, position) -> (that piece's optimizer tensor, its state) on this rank."""
     opt = engine.inner_optimizer
     out = {}
     for u in engine.trainable_units:
         for t, (i, _, _) in zip(u.optim_params, u.optim_slices):
             st = opt.state.get(t)
             if st:
-                out[(u.index, i)] = st
+                out[(u.index, i)] = (t, st)
     return out
 
 
@@ -191,14 +191,12 @@ def full_optimizer_state_dict(engine, rank0_only: bool = True) -> dict:
         raise RuntimeError("full_optimizer_state_dict needs an optimizer: initialize was called with optimizer=None")
     comm = engine.comm
     keep = comm.rank == 0 or not rank0_only
-    units = {u.index: u for u in engine.units}
     pieces = _piece_states(engine)
     # Which parameters have state, its per-element keys, and its scalar values: agreed
     # from every rank (a rank that holds no piece of a parameter does not know).
     mine = {}
-    for (ui, i), st in pieces.items():
-        t = next(t for t, (j, _, _) in zip(units[ui].optim_params, units[ui].optim_slices) if j == i)
-        mine[(ui, i)] = {
+    for place, (t, st) in pieces.items():
+        mine[place] = {
             "elements": sorted((k, str(v.dtype)) for k, v in st.items() if _is_elementwise(v, t.shape)),
             "scalars": {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
                         for k, v in st.items() if not _is_elementwise(v, t.shape)},
@@ -215,7 +213,7 @@ def full_optimizer_state_dict(engine, rank0_only: bool = True) -> dict:
             dtype = getattr(torch, dtype_name.replace("torch.", ""))
             local = torch.zeros(u.layout.shard_numel, dtype=dtype, device=u.params_store.optimizer_target.device)
             for t, (i, s_start, length) in zip(u.optim_params, u.optim_slices):
-                v = pieces.get((u.index, i), {}).get(key)
+                v = pieces.get((u.index, i), (None, {}))[1].get(key)
                 if v is not None:
                     local[s_start : s_start + length] = v.detach().reshape(-1)
             if u.layout.world_size == 1:
