@@ -4,7 +4,8 @@ The reference is plain torch on one process: the same model and AdamW, each step
 global batch split as the ranks split it, every rank's loss / N backpropagated, one
 optimizer step.  ZeRO runs on 2 (and 3) gloo processes at every stage, at stage 3
 both at the default persistence threshold and with every parameter partitioned
-(threshold 0).  Losses and final parameters must agree to fp32 summation-order noise.
+(threshold 0): on 2 ranks with small sibling blocks merged into one gather (the
+default ``min_gather_numel``), on 3 ranks with one gather per block.  Losses and final parameters must agree to fp32 summation-order noise.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dist_harness import run_distributed
 
 STEPS = 3
 GLOBAL_BATCH = 6  # divisible by 2 and 3 ranks
-CONFIGS = [(0, None), (1, None), (2, None), (3, None), (3, 0)]  # (stage, param_persistence_threshold)
+# (stage, param_persistence_threshold, min_gather_numel); None = the default
+CONFIGS = [(0, None, None), (1, None, None), (2, None, None), (3, None, None), (3, 0, None)]
 
 
 def _optimizer(model):
@@ -54,11 +56,13 @@ def _zero_worker(rank, ws, names, configs):
     transformers.logging.set_verbosity_error()
     out = {}
     for name in names:
-        for stage, threshold in configs:
+        for stage, threshold, min_gather in configs:
             model = zoo.build_model(name)
             cfg = dict(stage=stage, reduce_bucket_size=20_000)
             if threshold is not None:
                 cfg["param_persistence_threshold"] = threshold
+            if min_gather is not None:
+                cfg["min_gather_numel"] = min_gather
             engine = zero_strategy.initialize(model, _optimizer(model), cfg)
             losses = []
             for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
@@ -69,7 +73,7 @@ def _zero_worker(rank, ws, names, configs):
                 torch.distributed.all_reduce(t)
                 losses.append(float(t))
             sd = engine.full_state_dict()
-            out[(name, stage, threshold)] = (losses, sd, engine.unit_summary())
+            out[(name, stage, threshold, min_gather)] = (losses, sd, engine.unit_summary())
             engine.close()
     return out
 
@@ -90,19 +94,21 @@ def test_every_architecture_matches_single_process_at_every_stage(group):
     results = run_distributed(_zero_worker, 2, group, CONFIGS, timeout=1200)[0]
     for name in group:
         ref = reference(name, 2)
-        for stage, threshold in CONFIGS:
-            _compare(name, (stage, threshold), results[(name, stage, threshold)], ref)
+        for key in CONFIGS:
+            _compare(name, key, results[(name, *key)], ref)
         if name in ("fused_head", "parent_child"):
             # These use a parameter outside its module's forward: gathered on demand.
-            assert results[(name, 3, 0)][2]["on_demand_gathers"] > 0
+            assert results[(name, 3, 0, None)][2]["on_demand_gathers"] > 0
 
 
 @pytest.mark.slow
 def test_three_ranks_full_sharding():
     names = ("t5", "torch_transformer", "moe", "fused_head", "parent_child")
-    results = run_distributed(_zero_worker, 3, names, [(3, 0)], timeout=900)[0]
+    results = run_distributed(_zero_worker, 3, names, [(3, 0, 0)], timeout=900)[0]
     for name in names:
-        _compare(name, (3, 0), results[(name, 3, 0)], reference(name, 3))
+        _compare(name, (3, 0, 0), results[(name, 3, 0, 0)], reference(name, 3))
+        groups = results[(name, 3, 0, 0)][2]["groups"]
+        assert all(len(g["modules"]) == 1 for g in groups), f"{name}: min_gather_numel=0 merged {groups}"
 
 
 def test_auto_units_follow_the_models_blocks():
@@ -142,3 +148,43 @@ def test_llama_7b_plan_on_the_fake_process_group_has_decoder_layer_units():
         engine.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_small_sibling_blocks_share_one_gather_and_cut_the_collectives():
+    """500 Linear layers of 72 elements: with the default ``min_gather_numel`` the layers
+    (siblings in one ModuleList) form one gather, so a step issues two all-gathers per
+    gather (forward, backward) instead of two per layer; encoder and decoder blocks of
+    T5 (different parents) are never merged; ``min_gather_numel=0`` keeps one per block."""
+    import zero_strategy
+
+    def build(name, **cfg):
+        model = zoo.build_model(name)
+        engine = zero_strategy.initialize(model, _optimizer(model), dict(stage=3, param_persistence_threshold=0, **cfg))
+        return model, engine
+
+    def all_gathers_per_step(name, **cfg):
+        model, engine = build(name, **cfg)
+        batch = zoo.make_batches(name, 1, 2)[0]
+        engine.backward(zoo.loss_of(name, model, batch))
+        engine.step()
+        groups = engine.unit_summary()["groups"]
+        calls = engine.comm_report().kinds["all_gather"].calls
+        engine.close()
+        return calls, groups
+
+    merged, groups = all_gathers_per_step("many_linear")
+    layers = [g for g in groups if g["modules"][0].startswith("layers.")]
+    assert len(layers) == 1 and layers[0]["modules"] == [f"layers.{i}" for i in range(500)]
+    assert merged == 2 * len(groups)
+    separate, groups0 = all_gathers_per_step("many_linear", min_gather_numel=0)
+    assert len(groups0) == 502 and separate == 2 * 502
+
+    _, t5 = build("t5")
+    for g in t5.unit_summary()["groups"]:
+        stacks = {m.split(".block.")[0] for m in g["modules"]}
+        assert len(stacks) == 1, f"a gather spans two stacks: {g['modules']}"
+    t5.close()
+    # A budget smaller than one block: no merging at all.
+    _, small = build("llama", min_gather_numel=1)
+    assert all(len(g["modules"]) == 1 for g in small.unit_summary()["groups"])
+    small.close()

@@ -26,6 +26,7 @@ EXPECTED_DEFAULTS = {
     "prefetch_bucket_size": 5_000_000,
     "param_persistence_threshold": 100_000,
     "unit_modules": ("auto",),
+    "min_gather_numel": 1_000_000,
     "loss_scale": 0.0,
     "initial_scale_power": 16,
     "loss_scale_window": 1000,
@@ -94,6 +95,7 @@ def test_unknown_key_with_nothing_close_lists_valid_keys():
     ("allgather_bucket_size", 0),
     ("prefetch_bucket_size", -5),
     ("param_persistence_threshold", -1),
+    ("min_gather_numel", -1),
     ("overlap_comm", "yes"),
     ("overlap_comm", 1),
     ("unit_modules", []),
@@ -277,7 +279,7 @@ def test_random_input_gives_a_valid_config_or_value_error(data):
     assert cfg.reduce_dtype in (None, "fp32", "bf16", "fp16")
     assert isinstance(cfg.overlap_comm, bool)
     for name in ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-                 "param_persistence_threshold", "initial_scale_power",
+                 "param_persistence_threshold", "min_gather_numel", "initial_scale_power",
                  "loss_scale_window", "hysteresis"):
         assert type(getattr(cfg, name)) is int
     for name in ("loss_scale", "min_loss_scale", "gradient_clipping"):

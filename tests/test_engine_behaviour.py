@@ -383,7 +383,8 @@ def test_stage3_prefetch_holds_at_most_the_budget_or_the_next_block_ahead():
     def max_gathered(prefetch):
         model = tiny_gpt2(n_layer=4, n_embd=64)
         engine = zero_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                                          dict(stage=3, param_persistence_threshold=0, prefetch_bucket_size=prefetch))
+                                          dict(stage=3, param_persistence_threshold=0, prefetch_bucket_size=prefetch,
+                                               min_gather_numel=0))  # one gather per block
         blocks = [g for g in engine.gatherer.groups if g.module is not model]
         seen = []
         original = ModuleGroup.start_gather

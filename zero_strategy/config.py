@@ -35,6 +35,7 @@ _INT_RULES = {
     "allgather_bucket_size": (1, None, "elements per parameter all-gather bucket"),
     "prefetch_bucket_size": (0, None, "elements to prefetch; 0 disables prefetch"),
     "param_persistence_threshold": (0, None, "elements; smaller stage-3 params stay whole"),
+    "min_gather_numel": (0, None, "elements; smaller sibling stage-3 unit modules are gathered together"),
     "initial_scale_power": (0, 64, "the dynamic loss scale starts at 2**initial_scale_power"),
     "loss_scale_window": (1, None, "steps without overflow before the scale doubles"),
     "hysteresis": (1, None, "overflows tolerated before the scale is lowered"),
@@ -218,6 +219,13 @@ class ZeroConfig:
     """Stage 3: class names of the modules whose parameters are gathered together, e.g.
     ("GPT2Block",). ("auto",) = the blocks the model declares (transformers'
     _no_split_modules), else its outermost repeated module classes."""
+
+    min_gather_numel: int = 1_000_000
+    """Stage 3: consecutive sibling unit modules (e.g. the layers of one ModuleList) are
+    gathered together until one gather holds at least this many elements (>= 0; 0 = one
+    gather per unit module). Every collective has a fixed latency, so a model of many
+    small blocks spends its step in latency; blocks of real models (millions of elements
+    each) are left alone, and the extra memory held is below one such gather."""
 
     exact_frozen_weights: bool = True
     """bf16/fp16: parameters without an optimizer (frozen, or no optimizer at all) keep

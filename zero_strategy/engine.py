@@ -87,6 +87,14 @@ def _weak_method(bound):
     return call
 
 
+def _group_name(members, module_names) -> str:
+    """A gather's name in messages: its module, or the first and last of merged siblings."""
+    names = [module_names.get(id(m), "") or "<root>" for m in members]
+    if len(names) == 1:
+        return names[0]
+    return f"{names[0]} .. {names[-1]} ({len(names)} merged)"
+
+
 def _materialization_device(device, comm) -> torch.device:
     """Where deferred (meta) parameters are materialised: the given device; meta again on
     the fake process group (planning dry runs); else the current accelerator or CPU."""
@@ -173,7 +181,7 @@ class ZeroEngine:
             first, last = spec.names[0][0], spec.names[-1][0]
             whole = not shards_parameters or spec.persistent
             if not whole and spec.module is not None:
-                label = f"module {module_names.get(id(spec.module)) or '<root>'}"
+                label = f"module {_group_name(spec.members or (spec.module,), module_names)}"
             else:
                 label = f"bucket {i} ({first}{' ... ' + last if last != first else ''})"
             self.units.append(
@@ -213,7 +221,8 @@ class ZeroEngine:
                     continue
                 g = groups.get(id(spec.module))
                 if g is None:
-                    g = groups[id(spec.module)] = ModuleGroup(spec.module, module_names.get(id(spec.module), "") or "<root>", [])
+                    g = groups[id(spec.module)] = ModuleGroup(spec.module, _group_name(spec.members or (spec.module,), module_names),
+                                                              [], members=spec.members)
                 g.units.append(u)
                 g.numel += u.layout.padded_numel
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=pol.comm.prefetch_numel)
@@ -649,6 +658,7 @@ class ZeroEngine:
         if self.gatherer is not None:
             for g in self.gatherer.groups:
                 groups.append({"module": names.get(id(g.module), "") or "<root>", "class": type(g.module).__name__,
+                               "modules": [names.get(id(m), "") or "<root>" for m in g.members],
                                "numel": g.numel, "units": [u.index for u in g.units]})
         return dict(
             stage=self.policies.stage.stage,
@@ -667,7 +677,10 @@ class ZeroEngine:
         """One line for a start-up log: stage, world size, units, model-state bytes per rank."""
         s = self.unit_summary()
         mb = self.memory_report()["total"] / 2**20
-        what = f", unit modules {', '.join(s['unit_modules']) or '(root only)'} ({len(s['groups'])} gather groups)" if s["groups"] else ""
+        members = sum(len(g["modules"]) for g in s["groups"])
+        merged = f", {members} modules merged into {len(s['groups'])} gathers" if members > len(s["groups"]) else ""
+        what = (f", unit modules {', '.join(s['unit_modules']) or '(root only)'} ({len(s['groups'])} gather groups{merged})"
+                if s["groups"] else "")
         return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s): {s['num_units']} flat units{what}; "
                 f"model states {mb:.1f} MiB on this rank now")
 

@@ -16,6 +16,16 @@ block, or the root for everything else).  Its life in one training step:
 Forward order is recorded on the first training forward and reused; all ranks must run
 the same modules in the same order (the reliability checks enforce this).
 
+[Note: merged groups]
+Sibling unit modules too small to be worth a collective each (planner.py,
+``min_gather_numel``) share one group: its *members*, in registration order.  Each
+member's hooks run as above, but the group stays gathered from its first member's
+pre-forward until its last member's post-forward, and in backward until the first
+member's post-backward when no member's backward is still running (members may be
+parallel branches, e.g. experts, whose backward autograd interleaves).  Members run in
+another order, or skipped, cost at most a repeated gather or a group held until the
+end of forward / backward, never a wrong value.
+
 [Note: on-demand gathers]
 Code may use a partitioned parameter outside its own module's forward: TRL reads
 ``lm_head.weight`` for a fused loss after the model's forward, torch.nn's
@@ -47,12 +57,14 @@ log = logging.getLogger("zero_strategy")
 
 
 class ModuleGroup:
-    def __init__(self, module: nn.Module, name: str, units) -> None:
-        self.module = module
+    def __init__(self, module: nn.Module, name: str, units, members=()) -> None:
+        self.module = module  # the first member
+        self.members = tuple(members) or (module,)  # see [Note: merged groups]
         self.name = name
         self.units = list(units)
         self.numel = sum(u.layout.padded_numel for u in self.units)
-        self.active = False  # its module's forward or backward is running
+        self.active = False  # a member's forward or backward is running (or the span between members)
+        self.in_backward_members = 0  # members whose backward started and has not finished
         self.pinned = False  # used outside its module: kept gathered (see [Note: on-demand gathers])
         self.logged_on_demand = False
 
@@ -98,7 +110,7 @@ class ParameterGatherer:
 
     def __init__(self, groups: List[ModuleGroup], root: nn.Module, comm, *, prefetch_numel: int) -> None:
         self.groups = groups
-        self.by_module: Dict[int, ModuleGroup] = {id(g.module): g for g in groups}
+        self.by_module: Dict[int, ModuleGroup] = {id(m): g for g in groups for m in g.members}
         self.root_group = self.by_module.get(id(root))
         self.comm = comm
         self.prefetch_numel = prefetch_numel
@@ -175,11 +187,12 @@ class ParameterGatherer:
             i = self.forward_order.index(group)
             self._prefetch(self.forward_order[i + 1 :])
 
-    def post_forward(self, group: ModuleGroup, output) -> None:
+    def post_forward(self, group: ModuleGroup, output, module: Optional[nn.Module] = None) -> None:
         if self.in_backward:
             return  # recomputation inside backward (activation checkpointing): keep it
-        group.active = False
-        group.release()
+        if module is None or module is group.members[-1]:
+            group.active = False
+            group.release()
         if torch.is_grad_enabled():
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             fired = [False]
@@ -188,12 +201,13 @@ class ParameterGatherer:
                 if not fired[0]:
                     fired[0] = True
                     self.pre_backward(group)
+                    group.in_backward_members += 1
                 return grad
 
             for t in tensors:
                 t.register_hook(pre_backward_hook)
 
-    def wrap_inputs_for_post_backward(self, group: ModuleGroup, args, kwargs):
+    def wrap_inputs_for_post_backward(self, group: ModuleGroup, args, kwargs, module: Optional[nn.Module] = None):
         """Route the module's floating inputs through :class:`_PostBackward`."""
         if not torch.is_grad_enabled() or self.in_backward:
             return args, kwargs
@@ -202,7 +216,8 @@ class ParameterGatherer:
         if not positions and not keys:
             return args, kwargs
         inputs = [args[i] for i in positions] + [kwargs[k] for k in keys]
-        outs = _PostBackward.apply(lambda g=group: self.post_backward(g), *inputs)
+        first = module is None or module is group.members[0]
+        outs = _PostBackward.apply(lambda g=group, f=first: self.post_backward(g, f), *inputs)
         args = list(args)
         for j, i in enumerate(positions):
             args[i] = outs[j]
@@ -244,13 +259,16 @@ class ParameterGatherer:
             i = self.forward_order.index(group)
             self._prefetch(reversed(self.forward_order[:i]))
 
-    def post_backward(self, group: ModuleGroup) -> None:
-        group.active = False
-        group.release()
+    def post_backward(self, group: ModuleGroup, first_member: bool = True) -> None:
+        group.in_backward_members = max(0, group.in_backward_members - 1)
+        if first_member and group.in_backward_members == 0:
+            group.active = False
+            group.release()
 
     def end_of_backward(self) -> None:
         for g in self.groups:
             g.active = False
+            g.in_backward_members = 0
             g.unpin_and_release()
         self.in_backward = False
         self.awaiting_backward = False

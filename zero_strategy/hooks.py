@@ -4,7 +4,7 @@
 * The root module: a forward pre-hook (input casting, per-step bookkeeping) and a
   forward hook (stage 3: release whatever a lazy gather left behind).
 * Stage 3 only: state-dict hooks on the root, so ``model.state_dict()`` consolidates
-  (module_state_dict.py); pre/post forward hooks on every unit module, and lazy pre-hooks on
+  (module_state_dict.py); pre/post forward hooks on every unit module (each member of a merged group), and lazy pre-hooks on
   modules that own partitioned parameters (so calling such a submodule on its own,
   e.g. ``model.get_input_embeddings()(ids)``, gathers what it needs instead of failing).
 """
@@ -45,13 +45,14 @@ def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
 
         def pre(module, args, kwargs, g=group):
             gatherer.pre_forward(g)
-            return gatherer.wrap_inputs_for_post_backward(g, args, kwargs)
+            return gatherer.wrap_inputs_for_post_backward(g, args, kwargs, module)
 
         def post(module, args, output, g=group):
-            gatherer.post_forward(g, output)
+            gatherer.post_forward(g, output, module)
 
-        handles.append(group.module.register_forward_pre_hook(_eager(pre), with_kwargs=True))
-        handles.append(group.module.register_forward_hook(_eager(post)))
+        for member in group.members:  # several for a merged group (gather.py, [Note: merged groups])
+            handles.append(member.register_forward_pre_hook(_eager(pre), with_kwargs=True))
+            handles.append(member.register_forward_hook(_eager(post)))
 
     # Lazy gathering for direct calls to submodules holding partitioned parameters.
     group_of_param = {}

@@ -10,7 +10,10 @@ the repeated module class holding the most parameters, e.g. GPT2Block or
 LlamaDecoderLayer) gathers its own parameters; everything else belongs to the root
 module.  A parameter shared by two unit modules moves to the root so it is gathered
 whenever either runs.  Parameters below ``param_persistence_threshold`` elements stay
-whole on every rank (their units behave like stage-2 units).
+whole on every rank (their units behave like stage-2 units).  Consecutive sibling unit
+modules smaller than ``min_gather_numel`` are merged into one gather (the unit then has
+several *members*, see gather.py's [Note: merged groups]): each collective has a fixed
+cost, which dominates when blocks hold a few thousand elements.
 """
 from __future__ import annotations
 
@@ -29,8 +32,11 @@ class UnitSpec:
     params: List[nn.Parameter]
     names: List[List[str]]
     group_index: Optional[int]  # None = not optimised (frozen, or no optimizer)
-    module: Optional[nn.Module]  # stage 3: the module whose forward gathers this unit
+    module: Optional[nn.Module]  # stage 3: the (first) module whose forward gathers this unit
     persistent: bool = False
+    # Stage 3: every module whose forward gathers this unit, in registration order (one,
+    # or several consecutive siblings merged under ``min_gather_numel``).
+    members: Tuple[nn.Module, ...] = ()
 
 
 @dataclass
@@ -84,7 +90,7 @@ def _category_key(p: nn.Parameter, gi: Optional[int]):
     return (gi if gi is not None else -1, str(p.dtype))
 
 
-def _bucketize(entries, bucket_size: int, module, persistent: bool) -> List[UnitSpec]:
+def _bucketize(entries, bucket_size: int, module, persistent: bool, members: Tuple[nn.Module, ...] = ()) -> List[UnitSpec]:
     """entries: list of (param, names, group_index) in the desired order."""
     by_cat: "OrderedDict[tuple, list]" = OrderedDict()
     for e in entries:
@@ -100,6 +106,7 @@ def _bucketize(entries, bucket_size: int, module, persistent: bool) -> List[Unit
                     group_index=chosen[0][2],
                     module=module,
                     persistent=persistent,
+                    members=members,
                 )
             )
     return units
@@ -214,12 +221,41 @@ def plan_partitioned_params(model, optimizer, config) -> Plan:
             continue
         mod = owner.get(pid) or model
         per_module[id(mod)].append((p, pnames, gidx[pid]))
-    for mid, entries in per_module.items():
-        if entries:
-            # One unit per (group, dtype) within a module: no size split, the module is the granule.
-            plan.units += _bucketize(entries, 1 << 62, modules_by_id[mid], persistent=False)
+    root_entries = per_module.pop(id(model))
+    if root_entries:
+        plan.units += _bucketize(root_entries, 1 << 62, model, persistent=False, members=(model,))
+    for members in merge_small_siblings(model, [modules_by_id[mid] for mid, e in per_module.items() if e],
+                                        {mid: sum(e[0].numel() for e in entries) for mid, entries in per_module.items()},
+                                        config.min_gather_numel):
+        entries = [e for m in members for e in per_module[id(m)]]
+        # One unit per (group, dtype) within a gather: no size split, the modules are the granule.
+        plan.units += _bucketize(entries, 1 << 62, members[0], persistent=False, members=members)
     plan.units += _bucketize(list(reversed(persistent)), config.reduce_bucket_size, None, persistent=True)
     return plan
+
+
+def merge_small_siblings(model: nn.Module, modules: List[nn.Module], numel: Dict[int, int],
+                         min_numel: int) -> List[Tuple[nn.Module, ...]]:
+    """Split ``modules`` (unit modules holding partitioned parameters, in registration
+    order) into gathers: consecutive ones with the same parent are merged while the
+    gather holds fewer than ``min_numel`` elements, so every gather but the last of a
+    run of siblings reaches ``min_numel`` and none exceeds it by more than one module."""
+    parent_of: Dict[int, int] = {}
+    for parent in model.modules():
+        for child in parent.children():
+            parent_of.setdefault(id(child), id(parent))
+    out: List[List[nn.Module]] = []
+    held = 0
+    for m in modules:
+        current = out[-1] if out else None
+        if (current is not None and min_numel > 0 and held < min_numel
+                and parent_of.get(id(m)) == parent_of.get(id(current[-1]))):
+            current.append(m)
+            held += numel[id(m)]
+        else:
+            out.append([m])
+            held = numel[id(m)]
+    return [tuple(g) for g in out]
 
 
 def _is_within(module: nn.Module, container: nn.Module) -> bool:
