@@ -92,6 +92,7 @@ def zero_run(rank, ws, job):
                param_persistence_threshold=job.get("persist", 64), initial_scale_power=job.get("initial_scale_power", 8),
                gradient_clipping=job.get("clip", 0.0), offload_optimizer=job.get("offload", "none"),
                activation_checkpointing=job.get("checkpointing", ()), offload_activations=job.get("offload_activations", False))
+    cfg.update(job.get("config", {}))  # any other ZeroConfig field (they win over the above)
     engine = zero_strategy.initialize(model, opt, cfg)
     losses = []
     for batch in batches:

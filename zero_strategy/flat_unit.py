@@ -40,7 +40,7 @@ from .policy import Policies
 class FlatUnit:
     def __init__(self, index: int, params: Sequence[nn.Parameter], names: Sequence[List[str]], *,
                  group_index: Optional[int], policies: Policies, rank: int, world_size: int, whole: bool,
-                 device: Optional[torch.device] = None, label: Optional[str] = None) -> None:
+                 device: Optional[torch.device] = None, label: Optional[str] = None, disk=None) -> None:
         self.index = index
         self.label = label or f"unit {index}"  # what collectives on this unit are for
         self.closed = False  # its engine was closed (the guard's error message says so)
@@ -58,10 +58,17 @@ class FlatUnit:
         self.device = torch.device(device) if device is not None else self.params[0].device
         precision, offload = policies.precision, policies.offload
         self.compute_dtype = precision.compute_dtype
+        # Disk offload (``disk``, a DiskOffload): the master, and at stage 3 with
+        # offload_param the 16-bit shard, are file-backed; not on the meta device (dry runs).
+        on_disk = disk is not None and self.device.type != "meta"
+        to_disk_params = on_disk and offload.params_to_disk and not whole
         self.params_store = ParamShard(
             self.params, self.layout, self.shard_index, whole=whole, compute_dtype=precision.compute_dtype,
             keep_master=policies.keeps_fp32_master(self.trainable), device=self.device,
             master_device=offload.optimizer_device or self.device,
+            master_alloc=disk.allocator(index, "master") if on_disk else None,
+            shard_alloc=disk.allocator(index, "param") if to_disk_params else None,
+            after_gather=disk.dropper(index, "param") if to_disk_params else None,
         )
         self.grads = None
         self.optim_params: List[nn.Parameter] = []
@@ -71,7 +78,7 @@ class FlatUnit:
             self.grads = grad_storage_for(
                 policies.stage.grad_storage, self.params, self.layout, self.shard_index,
                 compute_dtype=precision.compute_dtype, reduce_dtype=precision.reduce_dtype, device=self.device,
-                slice_device=offload.optimizer_device,
+                slice_device=offload.grad_slice_device,
             )
             target = self.params_store.optimizer_target
             for i, t_start, s_start, length in self.layout.tensor_slices_in_shard(self.shard_index):

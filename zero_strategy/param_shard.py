@@ -28,7 +28,7 @@ dicts, checkpoints, pretrained loading, deferred initialisation and
 from __future__ import annotations
 
 import enum
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -73,6 +73,9 @@ class ParamShard:
         keep_master: bool,
         device: torch.device,
         master_device: torch.device,
+        master_alloc: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
+        shard_alloc: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
+        after_gather: Optional[Callable[[], None]] = None,
     ) -> None:
         self.params = list(params)
         self.shapes = [tuple(p.shape) for p in self.params]
@@ -85,12 +88,15 @@ class ParamShard:
         self._gather_source: Optional[torch.Tensor] = None
         n = layout.shard_numel
         pin = master_device != device and device.type == "cuda"
-        self.master: Optional[torch.Tensor] = (
-            torch.zeros(n, dtype=torch.float32, device=master_device, pin_memory=pin) if keep_master else None
-        )
+        self.master: Optional[torch.Tensor] = None
+        if keep_master:  # disk offload: ``master_alloc`` gives a file-backed tensor (disk_offload.py)
+            self.master = (master_alloc(n, torch.float32) if master_alloc is not None
+                           else torch.zeros(n, dtype=torch.float32, device=master_device, pin_memory=pin))
+        self._after_gather = after_gather  # disk offload: drop the file-backed shard's pages again
         # A partitioned unit whose master sits beside it needs no 16-bit shard: the
-        # all-gather input is cast from the master when gathering.
-        keeps_compute_shard = whole or self.master is None or master_device != device
+        # all-gather input is cast from the master when gathering.  A master on disk is
+        # not beside it (reading it each gather would page it in).
+        keeps_compute_shard = whole or self.master is None or master_device != device or master_alloc is not None
         # A partitioned unit's full buffer is freed below without ever being written:
         # ``empty`` never touches its pages, so building (or loading) a model bigger
         # than one rank's memory never needs the whole of it resident.
@@ -99,7 +105,9 @@ class ParamShard:
         if whole:
             self.shard: Optional[torch.Tensor] = self.full[self.lo : self.hi]
         else:
-            self.shard = torch.zeros(n, dtype=compute_dtype, device=device) if keeps_compute_shard else None
+            self.shard = None
+            if keeps_compute_shard:
+                self.shard = shard_alloc(n, compute_dtype) if shard_alloc is not None else torch.zeros(n, dtype=compute_dtype, device=device)
         self.state = ShardState.GATHERED
         # Parameters built on the meta device (deferred init) get their values later,
         # one tensor at a time, through ``write``; others are copied in now.
@@ -181,7 +189,8 @@ class ParamShard:
     def gather_input(self) -> torch.Tensor:
         """What this rank contributes to an all-gather of the compute-dtype values."""
         if self.shard is not None:
-            return self.shard
+            # A shard kept on disk is on the host: a device all-gather needs it moved.
+            return self.shard if self.shard.device == self.device else self.shard.to(self.device)
         return self.master.to(self.compute_dtype)
 
     def start_gather(self, comm, label: str) -> None:
@@ -205,6 +214,8 @@ class ParamShard:
                 self._gather_source.untyped_storage().resize_(0)
             self._gather_source = None
             self.state = ShardState.GATHERED
+            if self._after_gather is not None:
+                self._after_gather()
 
     def release(self) -> None:
         if self.whole or self.state is ShardState.SHARDED:

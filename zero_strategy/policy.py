@@ -57,10 +57,21 @@ class PrecisionPolicy:
 @dataclass(frozen=True)
 class OffloadPolicy:
     optimizer_device: Optional[torch.device]  # ZeRO-Offload: master, gradient slice, optimizer state
+    to_disk: bool = False  # ZeRO-Infinity: master and optimizer state in files (disk_offload.py)
+    params_to_disk: bool = False  # ... and stage 3's 16-bit parameter shards too
+    disk_path: Optional[str] = None
+    inflight_bytes: int = 0  # disk offload: the read-ahead / write-behind bound
 
     @property
     def offloads_optimizer(self) -> bool:
         return self.optimizer_device is not None
+
+    @property
+    def grad_slice_device(self) -> Optional[torch.device]:
+        """Where the reduced gradient slice is kept, when not beside the gradients: host
+        offload keeps it in host memory in fp32; disk offload keeps it where (and in the
+        dtype) it was reduced, freed between steps, and casts one unit at a time in step()."""
+        return None if self.to_disk else self.optimizer_device
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,12 @@ class Policies:
             loss_scaling=config.uses_loss_scaling,
             exact_frozen=config.exact_frozen_weights,
         )
-        offload = OffloadPolicy(torch.device("cpu") if config.offload_optimizer == "cpu" else None)
+        disk = config.offload_optimizer == "nvme"
+        offload = OffloadPolicy(
+            torch.device("cpu") if config.offload_optimizer != "none" else None,
+            to_disk=disk, params_to_disk=config.offload_param == "nvme",
+            disk_path=config.nvme_path, inflight_bytes=config.nvme_inflight_bytes,
+        )
         comm = CommPolicy(
             overlap=config.overlap_comm,
             reduce_bucket_size=config.reduce_bucket_size,

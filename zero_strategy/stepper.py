@@ -38,20 +38,39 @@ def steps_unit_by_unit(optimizer: torch.optim.Optimizer) -> bool:
     return not any(hooks) and not any(global_hooks)
 
 
+class _NoIO:
+    """Stands in for disk offload's read-ahead / write-behind when there is none."""
+
+    def before(self, unit) -> None:
+        pass
+
+    def after(self, unit) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
 def step_units(optimizer: torch.optim.Optimizer, units: Sequence, grad_of: Callable,
-               used_of: Optional[Callable] = None) -> None:
+               used_of: Optional[Callable] = None, disk=None) -> None:
     """Run ``optimizer`` over ``units`` (trainable FlatUnits) with ``grad_of(unit)`` as
     each one's flat gradient slice, then refresh each unit's compute-dtype copy.
 
     ``used_of(unit)`` says, per parameter position, whether the parameter got a gradient
     on any rank; the others get no ``.grad`` and are skipped by the optimizer
-    ([Note: one optimizer tensor per parameter] in flat_unit.py)."""
+    ([Note: one optimizer tensor per parameter] in flat_unit.py).
+
+    ``disk`` (a DiskOffload) brings each unit's files in before its update (reading the
+    next ones ahead) and writes them back after it; collective at the end (every rank
+    learns of a disk failure on any rank)."""
     used_of = used_of or (lambda u: None)
+    io = disk.stepping(units, optimizer) if disk is not None else _NoIO()
     if steps_unit_by_unit(optimizer):
         groups = optimizer.param_groups
         saved = [g["params"] for g in groups]
         try:
             for u in units:
+                io.before(u)
                 # Only this unit's tensors in the groups: one step() costs O(unit), not O(model).
                 for gi, g in enumerate(groups):
                     g["params"] = u.optim_params if gi == u.group_index else []
@@ -60,17 +79,22 @@ def step_units(optimizer: torch.optim.Optimizer, units: Sequence, grad_of: Calla
                 optimizer.step()
                 u.set_optimizer_grads(None)
                 u.params_store.refresh_compute_copy()
+                io.after(u)
         finally:
             for g, params in zip(groups, saved):
                 g["params"] = params
-        return
-    for u in units:
-        u.set_optimizer_grads(grad_of(u), used_of(u))
-        _release_reduced(u)
-    optimizer.step()
-    for u in units:
-        u.set_optimizer_grads(None)
-        u.params_store.refresh_compute_copy()
+    else:
+        # One step() over everything: with disk offload every unit is in memory at once.
+        for u in units:
+            io.before(u)
+            u.set_optimizer_grads(grad_of(u), used_of(u))
+            _release_reduced(u)
+        optimizer.step()
+        for u in units:
+            u.set_optimizer_grads(None)
+            u.params_store.refresh_compute_copy()
+            io.after(u)
+    io.finish()
 
 
 def _release_reduced(unit) -> None:
