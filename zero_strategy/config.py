@@ -35,11 +35,11 @@ _INT_RULES = {
     "allgather_bucket_size": (1, None, "elements per parameter all-gather bucket"),
     "prefetch_bucket_size": (0, None, "elements to prefetch; 0 disables prefetch"),
     "param_persistence_threshold": (0, None, "elements; smaller stage-3 params stay whole"),
+    "keep_gathered_max_bytes": (0, None, "bytes of stage-3 parameters keep_gathered() may hold gathered; 0 = never"),
     "min_gather_numel": (0, None, "elements; smaller sibling stage-3 unit modules are gathered together"),
     "initial_scale_power": (0, 64, "the dynamic loss scale starts at 2**initial_scale_power"),
     "loss_scale_window": (1, None, "steps without overflow before the scale doubles"),
     "hysteresis": (1, None, "overflows tolerated before the scale is lowered"),
-    "nvme_inflight_bytes": (1, None, "bytes of disk-offloaded state in memory during step()"),
 }
 
 MIN_COLLECTIVE_TIMEOUT = 0.1  # seconds: shorter waits fail healthy collectives
@@ -157,6 +157,16 @@ def _as_float(name: str, value: Any) -> float:
     return result
 
 
+def _as_method_names(value: Any, name: str = "keep_gathered_methods") -> tuple:
+    if value is None or value is False or (isinstance(value, (str, list, tuple)) and not value):
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip().isidentifier() for v in value):
+        raise _type_error(name, value, "a list of method names (Python identifiers), e.g. ['generate'], or [] for none")
+    return tuple(dict.fromkeys(v.strip() for v in value))  # without repeats, in the given order
+
+
 def _as_unit_modules(value: Any, name: str = "unit_modules") -> tuple:
     if isinstance(value, str):
         value = (value,)
@@ -228,6 +238,17 @@ class ZeroConfig:
     small blocks spends its step in latency; blocks of real models (millions of elements
     each) are left alone, and the extra memory held is below one such gather."""
 
+    keep_gathered_methods: tuple = ("generate",)
+    """Stage 3: names of model methods that run inside engine.keep_gathered(), on the
+    model and on every submodule that has them (e.g. transformers' generate, which
+    otherwise gathers every layer again for each new token). () = none."""
+
+    keep_gathered_max_bytes: int = 4 * 2**30
+    """Stage 3: the most bytes engine.keep_gathered() may hold, counted as every partitioned
+    parameter gathered in the compute dtype (bytes, not elements: this bounds memory). A
+    larger model is gathered layer by layer as usual, with a one-time warning (>= 0; 0 =
+    never keep gathered, no warning)."""
+
     exact_frozen_weights: bool = True
     """bf16/fp16: parameters without an optimizer (frozen, or no optimizer at all) keep
     an fp32 copy of this rank's slice, so state dicts and checkpoints give back exactly
@@ -255,25 +276,8 @@ class ZeroConfig:
 
     offload_optimizer: str = "none"
     """ZeRO-Offload: "cpu" keeps the fp32 master shard and the optimizer state in host
-    memory (pinned on CUDA) and runs the optimizer step there; "nvme" keeps them in files
-    under `nvme_path` (ZeRO-Infinity), read ahead and written back unit by unit around a
-    host step; "none" keeps them on the training device."""
-
-    offload_param: str = "none"
-    """Stage 3 with offload_optimizer "nvme": "nvme" also keeps this rank's 16-bit
-    parameter shards in files under `nvme_path` (read for each all-gather); "none" keeps
-    them in memory."""
-
-    nvme_path: Optional[str] = None
-    """The directory for disk offload (needed by "nvme" offload, refused otherwise). Each
-    rank creates its own subdirectory there and removes it when the engine is closed or
-    garbage-collected; nothing else in the directory is touched."""
-
-    nvme_inflight_bytes: int = 256 * 2**20
-    """Disk offload: the most bytes of fp32 master and optimizer state held in memory
-    during step() at once -- the unit being updated, the ones read ahead and the ones
-    still being written back (bytes, not elements: this bounds disk traffic; >= 1). One
-    unit is always allowed, however large; more overlaps disk I/O with the update."""
+    memory (pinned on CUDA) and runs the optimizer step there; "none" keeps them on the
+    training device."""
 
     activation_checkpointing: tuple = ()
     """ZeRO-R: class names of the blocks whose activations are recomputed in backward
@@ -336,12 +340,16 @@ class ZeroConfig:
         if not isinstance(self.overlap_comm, bool):
             raise _type_error("overlap_comm", self.overlap_comm, "true or false")
         put("unit_modules", _as_unit_modules(self.unit_modules))
-        _check_offload(self)
+        put("keep_gathered_methods", _as_method_names(self.keep_gathered_methods))
+        if self.offload_optimizer not in ("none", "cpu"):
+            raise ValueError(f"ZeroConfig.offload_optimizer must be 'none' or 'cpu', got {self.offload_optimizer!r}")
         ac = self.activation_checkpointing
         if ac in (None, False, "", (), []):
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
+        if self.offload_optimizer == "cpu" and self.stage == 0:
+            raise ValueError("ZeroConfig.offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
         for flag in ("offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):
             if not isinstance(getattr(self, flag), bool):
                 raise _type_error(flag, getattr(self, flag), "true or false")
@@ -398,6 +406,7 @@ class ZeroConfig:
         result = dataclasses.asdict(self)
         result["unit_modules"] = list(self.unit_modules)  # yaml.safe_dump rejects tuples
         result["activation_checkpointing"] = list(self.activation_checkpointing)
+        result["keep_gathered_methods"] = list(self.keep_gathered_methods)
         return result
 
     @classmethod
@@ -460,34 +469,6 @@ class ZeroConfig:
             "expected None, a ZeroConfig, a dict or a path to a .json/.yaml file, "
             f"got {type(value).__name__}"
         )
-
-
-def _check_offload(config: "ZeroConfig") -> None:
-    """offload_optimizer / offload_param / nvme_path: values, and the combinations that work."""
-    opt, param, path = config.offload_optimizer, config.offload_param, config.nvme_path
-    if opt not in ("none", "cpu", "nvme"):
-        raise ValueError(f"ZeroConfig.offload_optimizer must be 'none', 'cpu' or 'nvme', got {opt!r}")
-    if param not in ("none", "nvme"):
-        hint = (" (with 'cpu' the 16-bit parameters stay where they are computed; parameter offload is "
-                "to disk only: 'nvme')") if param == "cpu" else ""
-        raise ValueError(f"ZeroConfig.offload_param must be 'none' or 'nvme', got {param!r}{hint}")
-    if opt != "none" and config.stage == 0:
-        raise ValueError(f"ZeroConfig.offload_optimizer={opt!r} needs stage 1, 2 or 3 (stage 0 keeps a full "
-                         "replica of everything)")
-    if param == "nvme" and (config.stage != 3 or opt != "nvme"):
-        raise ValueError("ZeroConfig.offload_param='nvme' needs stage 3 (only stage 3 partitions parameters) and "
-                         f"offload_optimizer='nvme' (got stage {config.stage}, offload_optimizer={opt!r})")
-    uses_disk = "nvme" in (opt, param)
-    if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path).strip()):
-        raise _type_error("nvme_path", path, "a directory path")
-    if uses_disk and path is None:
-        raise ValueError("ZeroConfig.offload_optimizer='nvme' needs nvme_path, the directory (on a fast local disk) "
-                         "where each rank keeps its offload files, e.g. nvme_path='/local_nvme/zero_offload'")
-    if path is not None and not uses_disk:
-        raise ValueError(f"ZeroConfig.nvme_path={str(path)!r} is only used by disk offload: set "
-                         "offload_optimizer='nvme' (and at stage 3 optionally offload_param='nvme'), or drop nvme_path")
-    if path is not None:
-        object.__setattr__(config, "nvme_path", os.fspath(path))
 
 
 def _unknown_key_message(key: Any, valid: list) -> str:

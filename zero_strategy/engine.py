@@ -30,9 +30,9 @@ from .comm import Communicator
 from .config import ZeroConfig
 from .fingerprint import check_same_setup
 from .flat_unit import FlatUnit
-from .disk_offload import make_disk_offload
 from .gather import ModuleGroup, ParameterGatherer
 from .hooks import cast_floating_inputs, register_hooks
+from .keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
 from .guard import guard_parameters, unguard_parameters
 from .materialize import forget_meta_moves, initialize_deferred, load_pretrained, meta_parameter_ids
 from .optimizer import ZeroOptimizer, repoint_optimizer
@@ -178,8 +178,6 @@ class ZeroEngine:
 
         module_names = {id(m): n for n, m in model.named_modules()}
         self.units: List[FlatUnit] = []
-        # Disk offload's per-rank files (disk_offload.py); failures are agreed on below.
-        self.disk_offload = make_disk_offload(pol.offload, self.comm)
         for i, spec in enumerate(plan.units):
             first, last = spec.names[0][0], spec.names[-1][0]
             whole = not shards_parameters or spec.persistent
@@ -189,12 +187,9 @@ class ZeroEngine:
                 label = f"bucket {i} ({first}{' ... ' + last if last != first else ''})"
             self.units.append(
                 FlatUnit(i, spec.params, spec.names, group_index=spec.group_index, policies=pol, rank=self.comm.rank,
-                         world_size=self.comm.world_size, whole=whole, device=self.device, label=label,
-                         disk=self.disk_offload)
+                         world_size=self.comm.world_size, whole=whole, device=self.device, label=label)
             )
         self.trainable_units = [u for u in self.units if u.trainable]
-        if self.disk_offload is not None:
-            self.disk_offload.check("creating the disk-offload files")
 
         # The user's optimizer now updates this rank's shards.
         self.inner_optimizer = optimizer
@@ -233,6 +228,10 @@ class ZeroEngine:
                 g.numel += u.layout.padded_numel
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=pol.comm.prefetch_numel)
 
+        # Checked before anything is installed: a name that is not a method fails here.
+        methods = methods_to_wrap(model, self.config.keep_gathered_methods) if shards_parameters else []
+        self._keep = KeepGathered(self.gatherer, self.units, max_bytes=self.config.keep_gathered_max_bytes,
+                                  bucket_numel=pol.comm.allgather_bucket_size, rank=self.comm.rank)
         self._handles = register_hooks(self)
         _ENGINES[model] = weakref.ref(self)
         cfg = self.config
@@ -253,8 +252,8 @@ class ZeroEngine:
         if shards_parameters:
             # Last: materialisation and loading above write through the parameters.
             guard_parameters(self.units, on_access=_weak_method(self.gatherer.on_access))
-        if self.disk_offload is not None:
-            self.disk_offload.evict_all()  # the values written above go to disk, out of memory
+        # generate() and the like run in keep_gathered() ([Note: keep gathered]).
+        self._unwrap_methods = wrap_methods(self, methods)
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:
@@ -317,6 +316,7 @@ class ZeroEngine:
             self.gatherer.end_of_backward()
 
     _reduced_by_sync = False  # a synchronised backward ran since the last step / zero_grad
+    _unwrap_methods = ()  # until __init__ wrapped the keep_gathered_methods
     _phase_before_backward = Phase.IDLE
 
     def _on_root_pre_forward(self, args, kwargs):
@@ -532,9 +532,10 @@ class ZeroEngine:
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping)
         with engine_steps(self.inner_optimizer):
-            step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of, disk=self.disk_offload)
+            step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of)
         self._skip_watch.stepped()
         self._all_gather_updated_params()
+        self._keep.refresh(self.trainable_units)  # inside keep_gathered(): no stale copy
         self.scaler.update(False)
         self.last_step_skipped = False
         self.global_step += 1
@@ -591,6 +592,20 @@ class ZeroEngine:
         if self.phase is not Phase.CLOSED:
             self.phase = Phase.IDLE
         self.comm.start_step(self.global_step)
+
+    # -- inference regions (see [Note: keep gathered] in keep_gathered.py) -----------------------
+    @contextlib.contextmanager
+    def keep_gathered(self) -> Iterator[bool]:
+        """Collective.  Stage 3: inside, every parameter stays gathered, so a loop of
+        forwards (generate()) communicates nothing after the gather at the start; at
+        the end they are sharded again.  Yields whether they are held: False when the
+        gathered model would exceed ``keep_gathered_max_bytes`` (then each forward gathers
+        layer by layer as usual, after a one-time warning).  Below stage 3 the
+        parameters are always whole (True).  Entered automatically around the methods
+        named in ``keep_gathered_methods`` (default: ``generate``)."""
+        self._check_open()
+        with self._keep.region() as holding:
+            yield holding
 
     # -- reading and changing parameters outside forward ----------------------------------------
     @contextlib.contextmanager
@@ -654,9 +669,7 @@ class ZeroEngine:
         report["total"] = sum(report.values())
         # What stays on the training device (the saving ZeRO-Offload buys) and what
         # lives in host memory instead.
-        on_disk = self.disk_offload is not None
-        report["host"] = 0 if on_disk else offloaded
-        report["disk"] = offloaded if on_disk else 0  # in disk-offload files, not memory
+        report["host"] = offloaded
         report["device"] = report["total"] - offloaded
         return report
 
@@ -711,6 +724,7 @@ class ZeroEngine:
         from .state import load_full_state_dict
 
         load_full_state_dict(self, state_dict, strict=strict)
+        self._keep.refresh(self.units)
 
     def full_optimizer_state_dict(self, rank0_only: bool = True) -> dict:
         """Collective.  The optimizer state as the user's optimizer would hold it without
@@ -728,7 +742,6 @@ class ZeroEngine:
         from .state import load_full_optimizer_state_dict
 
         load_full_optimizer_state_dict(self, state_dict)
-        self._settle_disk()
 
     def state_dict(self) -> dict:
         from .state import rank_state_dict
@@ -739,22 +752,21 @@ class ZeroEngine:
         from .state import load_rank_state_dict
 
         load_rank_state_dict(self, state_dict)
-        self._settle_disk()
+        self._keep.refresh(self.units)
 
     def load_pretrained(self, path) -> Dict[str, list]:
         """Load safetensors weights (a file, or a directory with an index) into the
         shards; each rank reads only what it keeps.  Returns missing/unexpected keys."""
-        return load_pretrained(self, path)
+        report = load_pretrained(self, path)
+        self._keep.refresh(self.units)
+        return report
 
     # -- checkpoints (see checkpoint.py) ---------------------------------------------------------
     def save_checkpoint(self, directory, client_state: Optional[dict] = None):
         """Collective: write a sharded checkpoint directory atomically."""
         from .checkpoint import save_checkpoint
 
-        try:
-            return save_checkpoint(self, directory, client_state=client_state)
-        finally:
-            self._settle_disk()
+        return save_checkpoint(self, directory, client_state=client_state)
 
     def load_checkpoint(self, directory, *, allow_reshard: bool = True, weights_only: Optional[bool] = True) -> Optional[dict]:
         """Collective: restore from a checkpoint saved at any world size and stage;
@@ -762,10 +774,9 @@ class ZeroEngine:
         True: no code from the file runs; pass False only for a checkpoint you trust)."""
         from .checkpoint import load_checkpoint
 
-        try:
-            return load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
-        finally:
-            self._settle_disk()
+        client_state = load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
+        self._keep.refresh(self.units)
+        return client_state
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self, unshard: bool = False) -> None:
@@ -784,15 +795,7 @@ class ZeroEngine:
         for undo in self._undo_checkpointing:
             undo()
         self._undo_checkpointing = []
+        for undo in self._unwrap_methods:
+            undo()
+        self._unwrap_methods = []
         self.phase = Phase.CLOSED
-        if self.disk_offload is not None:
-            self.disk_offload.close()  # removes the offload files (mapped tensors stay readable)
-
-    def _settle_disk(self) -> None:
-        """Disk offload: a load replaced optimizer state tensors, or a save paged files in:
-        move new state into the files and drop everything from memory again."""
-        if self.disk_offload is not None and self.phase is not Phase.CLOSED:
-            if self.inner_optimizer is not None:
-                self.disk_offload.adopt_all(self.trainable_units, self.inner_optimizer)
-            else:
-                self.disk_offload.evict_all()

@@ -66,6 +66,7 @@ class ModuleGroup:
         self.active = False  # a member's forward or backward is running (or the span between members)
         self.in_backward_members = 0  # members whose backward started and has not finished
         self.pinned = False  # used outside its module: kept gathered (see [Note: on-demand gathers])
+        self.held = False  # inside engine.keep_gathered(): not released until the region ends
         self.logged_on_demand = False
 
     @property
@@ -81,7 +82,7 @@ class ModuleGroup:
             u.params_store.finish_gather()
 
     def release(self) -> None:
-        if self.pinned:
+        if self.pinned or self.held:
             return
         for u in self.units:
             u.params_store.release()
@@ -272,3 +273,49 @@ class ParameterGatherer:
             g.unpin_and_release()
         self.in_backward = False
         self.awaiting_backward = False
+
+    # -- inference regions (keep_gathered.py, [Note: keep gathered]) ---------------------
+    def gather_units(self, units, bucket_numel: int) -> None:
+        """Gather ``units`` (those still sharded), at most ``bucket_numel`` elements in flight."""
+        in_flight, numel = [], 0
+        for u in units:
+            if u.state is ShardState.SHARDED:
+                u.params_store.start_gather(self.comm, u.label)
+                in_flight.append(u)
+                numel += u.layout.padded_numel
+            if numel >= bucket_numel:
+                for v in in_flight:
+                    v.params_store.finish_gather()
+                in_flight, numel = [], 0
+        for v in in_flight:
+            v.params_store.finish_gather()
+
+    def hold_all(self, gathered_here: list, bucket_numel: int) -> None:
+        """Gather every group and keep it gathered; the units this call gathered are
+        appended to ``gathered_here`` (filled as it goes, so a failure leaves it true)."""
+        for g in self.groups:
+            g.held = True
+        units = [u for g in self.groups for u in g.units if u.state is ShardState.SHARDED]
+        gathered_here.extend(units)
+        self.gather_units(units, bucket_numel)
+        for g in self.groups:
+            g.wait()  # a prefetch may still be in flight
+
+    def refresh_held(self, units, bucket_numel: int) -> None:
+        """The shards of ``units`` changed (a step, a load): gather again those a region
+        holds, so it never serves the values from before."""
+        stale = [u for u in units if u.state is not ShardState.SHARDED and id(u) in self.group_of_unit
+                 and self.group_of_unit[id(u)].held]
+        for u in stale:
+            u.params_store.release()
+        self.gather_units(stale, bucket_numel)
+
+    def end_hold(self, gathered_here) -> None:
+        """The region ends: release what it gathered, unless something else needs it now
+        (a running module, an on-demand use pinned for backward)."""
+        for g in self.groups:
+            g.held = False
+        for u in gathered_here:
+            g = self.group_of_unit[id(u)]
+            if not (g.pinned or g.active):
+                u.params_store.release()
