@@ -34,6 +34,9 @@ EXPECTED_DEFAULTS = {
     "min_loss_scale": 1.0,
     "gradient_clipping": 0.0,
     "offload_optimizer": "none",
+    "offload_param": "none",
+    "nvme_path": None,
+    "nvme_inflight_bytes": 256 * 2**20,
     "activation_checkpointing": (),
     "offload_activations": False,
     "collective_timeout": 600.0,
@@ -298,8 +301,8 @@ def test_random_input_gives_a_valid_config_or_value_error(data):
 def test_offload_and_activation_checkpointing_fields():
     cfg = ZeroConfig.from_dict({"offload_optimizer": "cpu", "activation_checkpointing": "GPT2Block", "offload_activations": True})
     assert cfg.offload_optimizer == "cpu" and cfg.activation_checkpointing == ("GPT2Block",)
-    with pytest.raises(ValueError, match="offload_optimizer"):
-        ZeroConfig(offload_optimizer="nvme")
+    with pytest.raises(ValueError, match="offload_optimizer must be 'none', 'cpu' or 'nvme'"):
+        ZeroConfig(offload_optimizer="gpu")
     with pytest.raises(ValueError, match="needs activation_checkpointing"):
         ZeroConfig(offload_activations=True)
 

@@ -40,6 +40,7 @@ _INT_RULES = {
     "initial_scale_power": (0, 64, "the dynamic loss scale starts at 2**initial_scale_power"),
     "loss_scale_window": (1, None, "steps without overflow before the scale doubles"),
     "hysteresis": (1, None, "overflows tolerated before the scale is lowered"),
+    "nvme_inflight_bytes": (1, None, "bytes of disk-offloaded state in memory during step()"),
 }
 
 MIN_COLLECTIVE_TIMEOUT = 0.1  # seconds: shorter waits fail healthy collectives
@@ -276,8 +277,25 @@ class ZeroConfig:
 
     offload_optimizer: str = "none"
     """ZeRO-Offload: "cpu" keeps the fp32 master shard and the optimizer state in host
-    memory (pinned on CUDA) and runs the optimizer step there; "none" keeps them on the
-    training device."""
+    memory (pinned on CUDA) and runs the optimizer step there; "nvme" keeps them in files
+    under `nvme_path` (ZeRO-Infinity), read ahead and written back unit by unit around a
+    host step; "none" keeps them on the training device."""
+
+    offload_param: str = "none"
+    """Stage 3 with offload_optimizer "nvme": "nvme" also keeps this rank's 16-bit
+    parameter shards in files under `nvme_path` (read for each all-gather); "none" keeps
+    them in memory."""
+
+    nvme_path: Optional[str] = None
+    """The directory for disk offload (needed by "nvme" offload, refused otherwise). Each
+    rank creates its own subdirectory there and removes it when the engine is closed or
+    garbage-collected; nothing else in the directory is touched."""
+
+    nvme_inflight_bytes: int = 256 * 2**20
+    """Disk offload: the most bytes of fp32 master and optimizer state held in memory
+    during step() at once -- the unit being updated, the ones read ahead and the ones
+    still being written back (bytes, not elements: this bounds disk traffic; >= 1). One
+    unit is always allowed, however large; more overlaps disk I/O with the update."""
 
     activation_checkpointing: tuple = ()
     """ZeRO-R: class names of the blocks whose activations are recomputed in backward
@@ -341,15 +359,12 @@ class ZeroConfig:
             raise _type_error("overlap_comm", self.overlap_comm, "true or false")
         put("unit_modules", _as_unit_modules(self.unit_modules))
         put("keep_gathered_methods", _as_method_names(self.keep_gathered_methods))
-        if self.offload_optimizer not in ("none", "cpu"):
-            raise ValueError(f"ZeroConfig.offload_optimizer must be 'none' or 'cpu', got {self.offload_optimizer!r}")
+        _check_offload(self)
         ac = self.activation_checkpointing
         if ac in (None, False, "", (), []):
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
-        if self.offload_optimizer == "cpu" and self.stage == 0:
-            raise ValueError("ZeroConfig.offload_optimizer='cpu' needs stage 1, 2 or 3 (stage 0 keeps a full replica of everything)")
         for flag in ("offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):
             if not isinstance(getattr(self, flag), bool):
                 raise _type_error(flag, getattr(self, flag), "true or false")
@@ -469,6 +484,34 @@ class ZeroConfig:
             "expected None, a ZeroConfig, a dict or a path to a .json/.yaml file, "
             f"got {type(value).__name__}"
         )
+
+
+def _check_offload(config: "ZeroConfig") -> None:
+    """offload_optimizer / offload_param / nvme_path: values, and the combinations that work."""
+    opt, param, path = config.offload_optimizer, config.offload_param, config.nvme_path
+    if opt not in ("none", "cpu", "nvme"):
+        raise ValueError(f"ZeroConfig.offload_optimizer must be 'none', 'cpu' or 'nvme', got {opt!r}")
+    if param not in ("none", "nvme"):
+        hint = (" (with 'cpu' the 16-bit parameters stay where they are computed; parameter offload is "
+                "to disk only: 'nvme')") if param == "cpu" else ""
+        raise ValueError(f"ZeroConfig.offload_param must be 'none' or 'nvme', got {param!r}{hint}")
+    if opt != "none" and config.stage == 0:
+        raise ValueError(f"ZeroConfig.offload_optimizer={opt!r} needs stage 1, 2 or 3 (stage 0 keeps a full "
+                         "replica of everything)")
+    if param == "nvme" and (config.stage != 3 or opt != "nvme"):
+        raise ValueError("ZeroConfig.offload_param='nvme' needs stage 3 (only stage 3 partitions parameters) and "
+                         f"offload_optimizer='nvme' (got stage {config.stage}, offload_optimizer={opt!r})")
+    uses_disk = "nvme" in (opt, param)
+    if path is not None and (not isinstance(path, (str, os.PathLike)) or not str(path).strip()):
+        raise _type_error("nvme_path", path, "a directory path")
+    if uses_disk and path is None:
+        raise ValueError("ZeroConfig.offload_optimizer='nvme' needs nvme_path, the directory (on a fast local disk) "
+                         "where each rank keeps its offload files, e.g. nvme_path='/local_nvme/zero_offload'")
+    if path is not None and not uses_disk:
+        raise ValueError(f"ZeroConfig.nvme_path={str(path)!r} is only used by disk offload: set "
+                         "offload_optimizer='nvme' (and at stage 3 optionally offload_param='nvme'), or drop nvme_path")
+    if path is not None:
+        object.__setattr__(config, "nvme_path", os.fspath(path))
 
 
 def _unknown_key_message(key: Any, valid: list) -> str:

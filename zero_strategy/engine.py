@@ -30,6 +30,7 @@ from .comm import Communicator
 from .config import ZeroConfig
 from .fingerprint import check_same_setup
 from .flat_unit import FlatUnit
+from .disk_offload import make_disk_offload
 from .gather import ModuleGroup, ParameterGatherer
 from .hooks import cast_floating_inputs, register_hooks
 from .keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
@@ -178,6 +179,8 @@ class ZeroEngine:
 
         module_names = {id(m): n for n, m in model.named_modules()}
         self.units: List[FlatUnit] = []
+        # Disk offload's per-rank files (disk_offload.py); failures are agreed on below.
+        self.disk_offload = make_disk_offload(pol.offload, self.comm)
         for i, spec in enumerate(plan.units):
             first, last = spec.names[0][0], spec.names[-1][0]
             whole = not shards_parameters or spec.persistent
@@ -187,9 +190,12 @@ class ZeroEngine:
                 label = f"bucket {i} ({first}{' ... ' + last if last != first else ''})"
             self.units.append(
                 FlatUnit(i, spec.params, spec.names, group_index=spec.group_index, policies=pol, rank=self.comm.rank,
-                         world_size=self.comm.world_size, whole=whole, device=self.device, label=label)
+                         world_size=self.comm.world_size, whole=whole, device=self.device, label=label,
+                         disk=self.disk_offload)
             )
         self.trainable_units = [u for u in self.units if u.trainable]
+        if self.disk_offload is not None:
+            self.disk_offload.check("creating the disk-offload files")
 
         # The user's optimizer now updates this rank's shards.
         self.inner_optimizer = optimizer
@@ -254,6 +260,8 @@ class ZeroEngine:
             guard_parameters(self.units, on_access=_weak_method(self.gatherer.on_access))
         # generate() and the like run in keep_gathered() ([Note: keep gathered]).
         self._unwrap_methods = wrap_methods(self, methods)
+        if self.disk_offload is not None:
+            self.disk_offload.evict_all()  # the values written above go to disk, out of memory
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:
@@ -532,7 +540,7 @@ class ZeroEngine:
         if self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping)
         with engine_steps(self.inner_optimizer):
-            step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of)
+            step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of, disk=self.disk_offload)
         self._skip_watch.stepped()
         self._all_gather_updated_params()
         self._keep.refresh(self.trainable_units)  # inside keep_gathered(): no stale copy
@@ -669,7 +677,9 @@ class ZeroEngine:
         report["total"] = sum(report.values())
         # What stays on the training device (the saving ZeRO-Offload buys) and what
         # lives in host memory instead.
-        report["host"] = offloaded
+        on_disk = self.disk_offload is not None
+        report["host"] = 0 if on_disk else offloaded
+        report["disk"] = offloaded if on_disk else 0  # in disk-offload files, not memory
         report["device"] = report["total"] - offloaded
         return report
 
@@ -742,6 +752,7 @@ class ZeroEngine:
         from .state import load_full_optimizer_state_dict
 
         load_full_optimizer_state_dict(self, state_dict)
+        self._settle_disk()
 
     def state_dict(self) -> dict:
         from .state import rank_state_dict
@@ -753,6 +764,7 @@ class ZeroEngine:
 
         load_rank_state_dict(self, state_dict)
         self._keep.refresh(self.units)
+        self._settle_disk()
 
     def load_pretrained(self, path) -> Dict[str, list]:
         """Load safetensors weights (a file, or a directory with an index) into the
@@ -766,7 +778,10 @@ class ZeroEngine:
         """Collective: write a sharded checkpoint directory atomically."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory, client_state=client_state)
+        try:
+            return save_checkpoint(self, directory, client_state=client_state)
+        finally:
+            self._settle_disk()
 
     def load_checkpoint(self, directory, *, allow_reshard: bool = True, weights_only: Optional[bool] = True) -> Optional[dict]:
         """Collective: restore from a checkpoint saved at any world size and stage;
@@ -774,7 +789,10 @@ class ZeroEngine:
         True: no code from the file runs; pass False only for a checkpoint you trust)."""
         from .checkpoint import load_checkpoint
 
-        client_state = load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
+        try:
+            client_state = load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
+        finally:
+            self._settle_disk()
         self._keep.refresh(self.units)
         return client_state
 
@@ -799,3 +817,14 @@ class ZeroEngine:
             undo()
         self._unwrap_methods = []
         self.phase = Phase.CLOSED
+        if self.disk_offload is not None:
+            self.disk_offload.close()  # removes the offload files (mapped tensors stay readable)
+
+    def _settle_disk(self) -> None:
+        """Disk offload: a load replaced optimizer state tensors, or a save paged files in:
+        move new state into the files and drop everything from memory again."""
+        if self.disk_offload is not None and self.phase is not Phase.CLOSED:
+            if self.inner_optimizer is not None:
+                self.disk_offload.adopt_all(self.trainable_units, self.inner_optimizer)
+            else:
+                self.disk_offload.evict_all()
