@@ -156,6 +156,8 @@ class ZeroEngine:
                 f"this {type(model).__name__} is already managed by a ZeroEngine; call engine.close() on that one "
                 "first (engine_of(model) returns it)"
             )
+        # Before the model is touched: a keep_gathered_methods name that is not a method fails here.
+        methods = methods_to_wrap(model, self.config.keep_gathered_methods) if pol.stage.shards_parameters else []
         # Parameters built inside init_context() live on the meta device until the
         # units below are filled (materialize.py); decide where they will live.
         pending = meta_parameter_ids(model)
@@ -234,8 +236,6 @@ class ZeroEngine:
                 g.numel += u.layout.padded_numel
             self.gatherer = ParameterGatherer(list(groups.values()), model, self.comm, prefetch_numel=pol.comm.prefetch_numel)
 
-        # Checked before anything is installed: a name that is not a method fails here.
-        methods = methods_to_wrap(model, self.config.keep_gathered_methods) if shards_parameters else []
         self._keep = KeepGathered(self.gatherer, self.units, max_bytes=self.config.keep_gathered_max_bytes,
                                   bucket_numel=pol.comm.allgather_bucket_size, rank=self.comm.rank)
         self._handles = register_hooks(self)

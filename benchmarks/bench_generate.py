@@ -1,0 +1,253 @@
+"""generate() throughput: DDP, zero_strategy stage 2, stage 3, and stage 3 kept gathered.
+
+Every system greedily generates the same number of new tokens from the same prompts with
+the same tiny Llama (transformers ``LlamaConfig``, built locally from a seed), one after
+the other inside the SAME spawned gloo worker processes; the systems run in a different
+order on each repeat (odd repeats reversed), so load from other processes is spread over
+all of them.  Per system: tokens/s (new tokens of the whole batch divided by the slowest
+rank's time) as min / median / max over the repeats, the median's ratio to stage 2,
+all-gather calls per generate() (zero_strategy's own count), and whether the tokens are
+exactly the single-process model's.
+
+    .venv/bin/python benchmarks/bench_generate.py                 # 2 ranks, 64 new tokens, 5 repeats
+    .venv/bin/python benchmarks/bench_generate.py --repeats 9 --layers 8 --json out.json
+
+Systems: ``ddp`` (``DistributedDataParallel``; generate() runs on ``.module``),
+``zero2`` (stage 2), ``zero3`` (stage 3, ``param_persistence_threshold=0`` so every
+parameter is partitioned, ``keep_gathered_methods=[]``: every forward gathers layer by
+layer), ``zero3_keep`` (the same with the default ``keep_gathered_methods=["generate"]``:
+the model is gathered once per generate() call).  Each engine is built with an AdamW
+optimizer, as in training.  Stage 3 runs pass ``synced_gpus=True``, as transformers does
+for a model the Accelerate integration prepared at stage 3.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import queue as queue_mod
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SYSTEMS = ("ddp", "zero2", "zero3", "zero3_keep")
+ZERO_CONFIGS = {
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3, "param_persistence_threshold": 0, "keep_gathered_methods": []},
+    "zero3_keep": {"stage": 3, "param_persistence_threshold": 0},
+}
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.prompt_len + args.new_tokens + 8, tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def prompts(args):
+    g = torch.Generator().manual_seed(args.seed + 1)
+    return torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=g)
+
+
+def generate(model, ids, args, new_tokens, synced_gpus):
+    # min_new_tokens: an end-of-sequence token must not end one system's run early.
+    return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          pad_token_id=0, synced_gpus=synced_gpus)
+
+
+def run_system(name, args, reference_state, ids, expected):
+    import zero_strategy
+
+    model = build_model(args)
+    model.load_state_dict(reference_state)
+    engine, wrapper = None, None
+    if name == "ddp":
+        wrapper = torch.nn.parallel.DistributedDataParallel(model)
+        target = wrapper.module
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine = zero_strategy.initialize(model, optimizer, ZERO_CONFIGS[name])
+        target = model
+    synced = engine is not None and engine.config.shards_parameters
+    with torch.no_grad():
+        generate(target, ids, args, 2, synced)  # warm-up, not timed
+        if engine is not None:
+            engine.reset_comm_report()
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = generate(target, ids, args, args.new_tokens, synced)
+        seconds = time.perf_counter() - t0
+    gathers = engine.comm_report()["all_gather"].calls if engine is not None else 0
+    if engine is not None:
+        engine.close()
+    del wrapper, model
+    return {"seconds": seconds, "all_gathers": gathers, "same_tokens": bool(torch.equal(out, expected))}
+
+
+def worker_main(rank, world_size, store_path, args, queue):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // world_size))
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        reference = build_model(args)
+        ids = prompts(args)
+        with torch.no_grad():  # the single-process model's greedy tokens
+            expected = generate(reference, ids, args, args.new_tokens, False)
+        state = reference.state_dict()
+        results = {name: [] for name in args.systems}
+        for rep in range(args.repeats):
+            order = list(args.systems) if rep % 2 == 0 else list(reversed(args.systems))
+            for name in order:
+                results[name].append(run_system(name, args, state, ids, expected))
+                dist.barrier()
+        buf = io.BytesIO()
+        torch.save({"results": results, "threads": torch.get_num_threads()}, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - the parent prints it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    store_dir = tempfile.mkdtemp(prefix="bench_generate_")
+    store_path = os.path.join(store_dir, "store")
+    procs = [ctx.Process(target=worker_main, args=(r, args.world_size, store_path, args, queue))
+             for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(results) < args.world_size and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    errors.append(f"rank(s) {dead} died without a result")
+                elif time.monotonic() > deadline:
+                    errors.append(f"timed out after {args.timeout:.0f}s")
+                continue
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 60)
+            if p.is_alive():
+                p.kill()  # only the processes this script started
+        if os.path.exists(store_path):
+            os.unlink(store_path)
+        os.rmdir(store_dir)
+    if errors:
+        raise RuntimeError("benchmark worker failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(args.world_size)]
+
+
+def summarize(args, per_rank):
+    tokens = args.batch * args.new_tokens
+    rows = []
+    for name in args.systems:
+        runs = [[r["results"][name][k] for r in per_rank] for k in range(args.repeats)]
+        # A generate() is as slow as its slowest rank.
+        rates = [tokens / max(x["seconds"] for x in ranks) for ranks in runs]
+        rows.append({
+            "system": name,
+            "tokens_per_s": rates,
+            "min": min(rates), "median": statistics.median(rates), "max": max(rates),
+            "all_gathers_per_generate": max(x["all_gathers"] for ranks in runs for x in ranks),
+            "same_tokens": all(x["same_tokens"] for ranks in runs for x in ranks),
+        })
+    zero2 = next((r["median"] for r in rows if r["system"] == "zero2"), None)
+    for r in rows:
+        r["median_vs_zero2"] = r["median"] / zero2 if zero2 else None
+    return {
+        "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "threads_per_rank": per_rank[0]["threads"],
+        "loadavg": os.getloadavg(),
+        "rows": rows,
+    }
+
+
+def render(summary) -> str:
+    c = summary["config"]
+    lines = [
+        f"generate(): Llama {c['layers']} layers x {c['hidden']} (vocab {c['vocab']}), batch {c['batch']}, "
+        f"prompt {c['prompt_len']}, {c['new_tokens']} new tokens greedy, {c['world_size']} gloo ranks x "
+        f"{summary['threads_per_rank']} thread(s), {c['repeats']} repeats, fp32",
+        "",
+        "| system | tokens/s min | median | max | median / zero2 | all-gathers per generate | tokens = single process |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in summary["rows"]:
+        ratio = f"{r['median_vs_zero2']:.2f}" if r["median_vs_zero2"] is not None else "n/a"
+        lines.append(f"| {r['system']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} | {ratio} | "
+                     f"{r['all_gathers_per_generate']} | {'yes' if r['same_tokens'] else 'NO'} |")
+    lines.append("")
+    lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in summary['loadavg'])}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--intermediate", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--json", default=None, help="also write the summary here")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.repeats < 1 or args.new_tokens < 1 or args.world_size < 1:
+        p.error("--repeats, --new-tokens and --world-size must be at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    summary = summarize(args, spawn(args))
+    print(render(summary))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
