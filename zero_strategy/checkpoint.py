@@ -53,6 +53,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .disk_offload import is_offload_directory
 from . import checkpoint_files as files
 from .checkpoint_files import CheckpointError
 from .checkpoint_manifest import FORMAT, FORMAT_VERSION, layout_digest, rank_file_names, validate
@@ -332,6 +333,9 @@ class CheckpointReader:
         path = found / MANIFEST
         self.manifest_path = path
         if not path.is_file():
+            if is_offload_directory(found):
+                raise CheckpointError(f"{found} is a disk-offload directory of a running (or killed) engine "
+                                      "(nvme_path), not a checkpoint: pass the directory given to save_checkpoint")
             raise CheckpointError(f"{path} is missing: not a zero_strategy checkpoint, or its save did not finish")
         try:
             self.manifest = json.loads(path.read_bytes())

@@ -170,6 +170,7 @@ class DiskOffload:
         self._files: List[Path] = []
         self._dirs: List[Path] = []  # created by us, innermost first
         self.stats = IOStats()
+        self._constructed = False  # the engine's first check (after its files were made) passed
         self.directory: Optional[Path] = None
         self.root = Path(root).expanduser()
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -281,8 +282,11 @@ class DiskOffload:
             self.comm.control_all_reduce(flags, "max", label=f"{what}: agreeing on disk offload")
             failed = [r for r, v in enumerate(flags.tolist()) if v]
         if not failed:
+            self._constructed = True
             return
         self.error = error  # stays failed: later steps must not pretend the state is on disk
+        if not self._constructed:
+            self.close()  # the engine is not built: nothing of it may stay on disk
         mine = str(error) if error is not None else None
         messages = self.comm.all_gather_object(mine, label=f"{what}: disk offload failure report") if ws > 1 else [mine]
         lines = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
@@ -482,7 +486,6 @@ def is_offload_directory(path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-__all__ = ["DiskOffload", "DiskOffloadError", "MARKER", "is_offload_directory", "make_disk_offload"]
 
 
 def make_disk_offload(offload, comm) -> Optional[DiskOffload]:
@@ -494,3 +497,6 @@ def make_disk_offload(offload, comm) -> Optional[DiskOffload]:
     if group is not None and torch.distributed.get_backend(group) == "fake":
         return None
     return DiskOffload(offload.disk_path, comm.rank, comm.world_size, comm, offload.inflight_bytes)
+
+
+__all__ = ["DiskOffload", "DiskOffloadError", "MARKER", "is_offload_directory", "make_disk_offload"]
