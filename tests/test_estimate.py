@@ -190,3 +190,44 @@ def test_cli_rejects_bad_input():
         main(["estimate", "--params", "lots"])
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "1B", "--optimizer", "lion"])
+
+
+# -- disk offload (ZeRO-Infinity's NVMe offload) --------------------------------------------------
+def test_disk_offload_moves_the_optimizer_states_term_to_disk():
+    from zero_strategy.estimate import disk_offload_estimate
+
+    n, inflight = 64, 256 * 2**20
+    shard = PSI // n  # 7.5e9 / 64 is whole
+    # Mixed-precision Adam: K = 12 bytes/param (fp32 master + 2 moments) leave memory for
+    # disk; memory keeps the 16-bit parameters and gradients the stage keeps, plus the bound.
+    for stage, params, grads in ((1, 2 * PSI, 2 * PSI), (2, 2 * PSI, 2 * shard), (3, 2 * shard, 2 * shard)):
+        r = disk_offload_estimate(PSI, n, stage, "bf16", "adam", inflight_bytes=inflight)
+        assert r.disk == 12 * shard
+        assert r.ram == params + grads + inflight
+        # What leaves memory is the formula's optimizer-states term, less the in-flight bound.
+        assert estimate(PSI, n, stage, "bf16").total - r.ram == 12 * shard - inflight
+    both = disk_offload_estimate(PSI, n, 3, "bf16", "adam", offload_param=True, inflight_bytes=inflight)
+    assert both.disk == 14 * shard and both.ram == 2 * shard + inflight
+    # fp32: K = 8 (the parameters are the masters), but the files also hold the fp32 master.
+    assert disk_offload_estimate(PSI, n, 2, "fp32", "adam").disk == 12 * shard
+    # A tiny model: the bound is never more than the state itself.
+    small = disk_offload_estimate(1000, 1, 2, "bf16", "adam")
+    assert small.ram == 2 * 1000 + 2 * 1000 + 12 * 1000 and small.disk == 12 * 1000
+
+
+def test_disk_offload_estimate_refuses_what_the_config_refuses():
+    from zero_strategy.estimate import disk_offload_estimate
+
+    with pytest.raises(ValueError, match="stage 1, 2 or 3"):
+        disk_offload_estimate(PSI, 8, 0)
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        disk_offload_estimate(PSI, 8, 2, offload_param=True)
+
+
+def test_cli_prints_the_disk_offload_column(capsys):
+    assert main(["estimate", "--params", "7.5B", "--world-size", "64", "--precision", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "With disk offload (offload_optimizer: nvme" in out
+    rows = [l.split() for l in out.splitlines() if l.startswith("  3 ")]
+    # stage 3: disk 12 * 7.5e9 / 64 bytes; with the parameters too, 14 * 7.5e9 / 64.
+    assert "(1,406,250,000" in " ".join(rows[0]) and "(1,640,625,000" in " ".join(rows[1])

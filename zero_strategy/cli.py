@@ -11,7 +11,8 @@ import sys
 from decimal import Decimal, InvalidOperation
 from typing import Callable, Optional, Sequence
 
-from .estimate import OVERHEAD_DESCRIPTIONS, SAVING_DESCRIPTIONS, STAGE_NAMES, estimate, optimizer_bytes_per_param
+from .estimate import (OVERHEAD_DESCRIPTIONS, SAVING_DESCRIPTIONS, STAGE_NAMES, disk_offload_estimate, estimate,
+                       optimizer_bytes_per_param)
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -110,8 +111,24 @@ def _run_estimate(args: argparse.Namespace) -> int:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         _print_overheads(results)
         _print_savings(results)
+        _print_disk_offload(args, n)
         print()
     return 0
+
+
+def _print_disk_offload(args: argparse.Namespace, n: int) -> None:
+    from .config import ZeroConfig
+
+    inflight = ZeroConfig().nvme_inflight_bytes
+    print(f"With disk offload (offload_optimizer: nvme; nvme_inflight_bytes {inflight:,}), per rank:")
+    rows = [("stage", "offload", "RAM (backward-step)", "disk")]
+    for stage, on_disk in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer + params")):
+        r = disk_offload_estimate(args.params, n, stage, args.precision, args.optimizer,
+                                  offload_param=on_disk != "optimizer", inflight_bytes=inflight)
+        rows.append((str(stage), on_disk, _gb(r.ram), _gb(r.disk)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
 def _print_savings(results: list) -> None:

@@ -189,3 +189,39 @@ def paper_table(num_params=7.5e9, world_sizes=(1, 4, 16, 64, 256, 1024), precisi
         (n, *(estimate(num_params, n, s, precision).total / 1e9 for s in (1, 2, 3)))
         for n in world_sizes
     ]
+
+
+@dataclass(frozen=True)
+class DiskOffloadEstimate:
+    """Model-state bytes per rank with ``offload_optimizer: nvme`` (ZeRO-Infinity)."""
+
+    ram: int
+    """In memory from backward to step: the 16-bit parameters this rank keeps (none of
+    stage 3's with offload_param), its gradients (stage 1: whole; 2-3: its slice, freed
+    between steps), and at most ``inflight_bytes`` of master and optimizer state during
+    the step.  Stage 3's gathered blocks and the buckets are extra (see the overheads)."""
+    disk: int
+    """In files under nvme_path: the fp32 master shard (in fp32 training a copy of the
+    shard kept in memory) and the optimizer state, K*Psi/N (+4*Psi/N in fp32), plus
+    the 16-bit parameter shard with offload_param."""
+
+
+def disk_offload_estimate(num_params, world_size, stage, precision: str = "fp16", optimizer: str = "adam", *,
+                          offload_param: bool = False, inflight_bytes: int = 256 * 2**20) -> DiskOffloadEstimate:
+    """RAM and disk per rank for disk offload at ``stage`` (1-3; offload_param only at 3)."""
+    psi = _count("num_params", num_params, 1)
+    n = _count("world_size", world_size, 1)
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"disk offload needs stage 1, 2 or 3, got {stage!r}")
+    if offload_param and stage != 3:
+        raise ValueError("offload_param needs stage 3 (only stage 3 partitions parameters)")
+    p = g = bytes_per_element(precision)
+    k = optimizer_bytes_per_param(optimizer, precision)
+    # The files hold an fp32 master in every precision; in fp32 K does not count it.
+    k_disk = k if canonical_precision(precision) != "fp32" else k + 4
+    shard = -(-psi // n)
+    params = 0 if offload_param else p * (shard if stage == 3 else psi)
+    grads = g * (psi if stage == 1 else shard)
+    step_state = min(_count("inflight_bytes", inflight_bytes, 1), k_disk * shard)
+    disk = k_disk * shard + (p * shard if offload_param else 0)
+    return DiskOffloadEstimate(ram=params + grads + step_state, disk=disk)
