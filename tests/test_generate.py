@@ -54,6 +54,12 @@ def reference_step(model, batch, world_size: int) -> None:
             p -= LR * p.grad
 
 
+def loss_through_lm_head_weight(model, batch):
+    hidden = model(input_ids=batch, output_hidden_states=True).hidden_states[-1]
+    logits = hidden @ model.lm_head.weight.T
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
 def engine_step(engine, model, batch, rank: int, world_size: int) -> None:
     mine = batch.chunk(world_size)[rank]
     engine.backward(model(input_ids=mine, labels=mine).loss)
@@ -100,6 +106,32 @@ def test_generate_runs_kept_gathered_and_the_wrapper_is_transparent():
             assert inner
         assert engine.memory_report()["parameters"] > sharded
     assert engine.memory_report()["parameters"] == sharded
+
+    # Inside a region the parameters are plain (the guard is lifted); after it, guarded again.
+    weight = model.lm_head.weight
+    with engine.keep_gathered():
+        assert type(weight) is torch.nn.Parameter and torch.equal(weight.detach(), ref.lm_head.weight.detach())
+    with pytest.raises(zero_strategy.PartitionedParameterError):
+        weight.sum()
+
+    # A forward with gradients inside a region, its backward after it, and a weight used
+    # outside its module (as TRL uses lm_head.weight): what autograd saved stays gathered
+    # until that backward, and the step matches plain torch.
+    batch = train_batch(0, 1)
+    with engine.keep_gathered():
+        loss = loss_through_lm_head_weight(model, batch)
+    engine.backward(loss)
+    engine.step()
+    ref.zero_grad()
+    loss_through_lm_head_weight(ref, batch).backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= LR * p.grad
+    assert engine.memory_report()["parameters"] == sharded
+    full = engine.full_state_dict()
+    assert max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items()) < 1e-6
+    expected = greedy(ref, prompts())
+    assert torch.equal(greedy(model, prompts()), expected)
 
     # A deep copy is not the engine's: it gets a plain bound generate of its own.
     with engine.gathered_parameters():

@@ -315,6 +315,13 @@ class ParameterGatherer:
         (a running module, an on-demand use pinned for backward)."""
         for g in self.groups:
             g.held = False
+        if self.window_open:
+            # A forward ran with gradients and its backward is still to come: autograd may
+            # have saved any of these parameters (the guard, lifted inside the region, did
+            # not pin them one by one), so they stay until that backward ends.
+            for u in gathered_here:
+                self.group_of_unit[id(u)].pinned = True
+            return
         for u in gathered_here:
             g = self.group_of_unit[id(u)]
             if not (g.pinned or g.active):

@@ -185,3 +185,23 @@ def unguard_parameters(units) -> None:
         for p in unit.params:
             if type(p) is PartitionedParameter:
                 _unguard(p)
+
+
+def lift_guard(units) -> list:
+    """While every partitioned parameter is gathered and held (keep_gathered.py), the
+    guard has nothing to check, yet costs a Python call per operation: make them plain
+    parameters (their bookkeeping stays); returns those changed, for :func:`restore_guard`."""
+    lifted = []
+    for unit in units:
+        for p in unit.params:
+            if type(p) is PartitionedParameter:
+                p.__class__ = nn.Parameter
+                lifted.append(p)
+    return lifted
+
+
+def restore_guard(params) -> None:
+    for p in params:
+        unit = p.__dict__.get("_zero_unit")
+        if type(p) is nn.Parameter and unit is not None and not unit.closed:
+            p.__class__ = PartitionedParameter

@@ -6,7 +6,9 @@ forward gathers every unit module and releases it again, so generating T tokens 
 the whole model over the network T times, each time for one token's worth of compute.
 ``engine.keep_gathered()`` gathers every partitioned unit once when the region starts
 and releases it when the region ends: inside, the forward hooks find everything
-gathered and communicate nothing.  (DeepSpeed-Chat's hybrid engine gathers the model for
+gathered and communicate nothing.  The guard (guard.py) is lifted for the region:
+nothing is sharded for it to catch, and its Python call per operation is, for a small
+model, a large part of each decoding step.  (DeepSpeed-Chat's hybrid engine gathers the model for
 generation in the same way; FSDP2 leaves it to the user, with ``unshard()`` and
 ``reshard_after_forward=False``.)
 
@@ -19,7 +21,9 @@ generation in the same way; FSDP2 leaves it to the user, with ``unshard()`` and
 * No stale copy: step() inside a region, and loading weights, gather the held units
   again.  At the end only what the region gathered is released, so parameters that a
   surrounding ``gathered_parameters()`` or an on-demand use (pinned for a backward
-  still to come) hold stay gathered for their owner.
+  still to come) hold stay gathered for their owner; and if a forward with gradients
+  ran inside and its backward has not, everything stays gathered until that backward
+  ends (autograd may have saved any parameter).
 * Methods: at initialize every method named in ``keep_gathered_methods`` (default
   ``generate``) is wrapped, on the model and on every submodule that has it, so
   ``model.generate(...)`` runs inside the region with no change to the caller.  The
@@ -34,6 +38,8 @@ import warnings
 import weakref
 from typing import Callable, Iterator, List, Tuple
 
+from .guard import lift_guard, restore_guard
+
 
 class KeepGathered:
     """One engine's inference region: whether it holds the model, and how deep it is nested."""
@@ -43,11 +49,12 @@ class KeepGathered:
         self.max_bytes = max_bytes
         self.bucket_numel = bucket_numel
         self.rank = rank
-        partitioned = [u for u in units if not u.keep_full]
-        self.gathered_bytes = sum(u.layout.padded_numel * u.params_store.full.element_size() for u in partitioned)
+        self.partitioned = [u for u in units if not u.keep_full]
+        self.gathered_bytes = sum(u.layout.padded_numel * u.params_store.full.element_size() for u in self.partitioned)
         self.holding = False
         self._depth = 0
         self._gathered_here: list = []
+        self._lifted: list = []  # parameters whose guard the region lifted
         self._warned = False
 
     @property
@@ -66,6 +73,7 @@ class KeepGathered:
             if outermost and self.fits and self.max_bytes > 0:
                 self.holding = True
                 self.gatherer.hold_all(self._gathered_here, self.bucket_numel)
+                self._lifted = lift_guard(self.partitioned)
             elif outermost and self.max_bytes > 0:
                 self._warn_once()
             yield self.holding
@@ -73,6 +81,8 @@ class KeepGathered:
             self._depth -= 1
             if outermost and self.holding:
                 self.holding = False
+                restore_guard(self._lifted)
+                self._lifted = []
                 gathered, self._gathered_here = self._gathered_here, []
                 self.gatherer.end_hold(gathered)
 
