@@ -43,8 +43,12 @@ LOOP_ARGS = ["--steps", "6", "--accum", "2", "--clip", "0.5"]
         ({"overlap_com": True}, "did you mean 'overlap_comm'?"),
         ({"zero_stage": 5}, "zero_stage (ZeroConfig.stage) must be between 0 and 3"),
         ({"reduce_bucket_size": "lots"}, "reduce_bucket_size must be an integer"),
-        ({"offload_optimizer_device": "nvme"}, "zero_config.offload_optimizer_device: optimizer-state offload to NVMe is not implemented"),
-        ({"offload_param_device": "cpu"}, "zero_config.offload_param_device: parameter offload is not implemented"),
+        ({"offload_optimizer_device": "nvme"}, "offload_optimizer='nvme' needs nvme_path"),
+        ({"offload_param_device": "cpu"}, "zero_config.offload_param_device: parameter offload to host memory is not implemented"),
+        ({"zero_stage": 2, "offload_optimizer_device": "nvme", "offload_param_device": "nvme",
+          "offload_optimizer_nvme_path": "/nvme"}, "offload_param='nvme' needs stage 3"),
+        ({"zero_stage": 3, "offload_optimizer_device": "nvme", "offload_optimizer_nvme_path": "/a",
+          "offload_param_nvme_path": "/b"}, "names several (offload_optimizer_nvme_path: '/a', offload_param_nvme_path: '/b')"),
         ({"offload_param_device": "disk"}, "must be one of none, cpu, nvme"),
         ({"stage": 3, "zero_stage": 2}, "zero_config.zero_stage: 2 disagrees with stage: 3"),
         ({"offload_optimizer_device": "cpu", "offload_optimizer": "none"}, "disagrees with offload_optimizer"),
@@ -58,6 +62,18 @@ def test_section_errors_name_the_key(section, message):
     with pytest.raises(ValueError) as info:
         settings.parse_section(section)
     assert message in str(info.value)
+
+
+def test_nvme_keys_map_to_disk_offload():
+    """Accelerate's DeepSpeed-plugin keys for ZeRO-Infinity: devices and paths."""
+    s = settings.parse_section({"zero_stage": 3, "offload_optimizer_device": "nvme", "offload_param_device": "nvme",
+                                "offload_optimizer_nvme_path": "/local_nvme", "offload_param_nvme_path": "/local_nvme"})
+    cfg = s.zero_config("bf16")
+    assert (cfg.offload_optimizer, cfg.offload_param, cfg.nvme_path) == ("nvme", "nvme", "/local_nvme")
+    # Accelerate writes its path keys whatever the device: with nothing on disk they are ignored.
+    cfg = settings.parse_section({"zero_stage": 2, "offload_optimizer_device": "cpu",
+                                  "offload_optimizer_nvme_path": "/nvme"}).zero_config("no")
+    assert (cfg.offload_optimizer, cfg.nvme_path) == ("cpu", None)
 
 
 def test_section_maps_to_zero_config():

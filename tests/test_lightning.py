@@ -220,6 +220,12 @@ def test_trainer_fp16_overflow_skips_step_and_scheduler(tmp_path):
             got = _load(tmp_path, f"offload-{s}", r)
             assert got["offload"] == "cpu" and got["host_bytes"] > 0, got
             _assert_close_seq(got["losses"], _load(tmp_path, "refit-ddp", r)["losses"][:4], 1e-5, 1e-7, f"{s} vs ddp")
+    for s, offload in (("zero2_offload_nvme", ["nvme", "none"]), ("zero3_offload_nvme", ["nvme", "nvme"])):
+        for r in (0, 1):
+            got = _load(tmp_path, f"offload-{s}", r)
+            assert got["offload"] == offload and got["disk_bytes"] > 0 and got["held"] >= 1, got
+            _assert_close_seq(got["losses"], _load(tmp_path, "refit-ddp", r)["losses"][:4], 1e-5, 1e-7, f"{s} vs ddp")
+    assert [_load(tmp_path, "offload-nvme-collected", r)["left"] for r in (0, 1)] == [[], []]
     for r in (0, 1):
         got, ref = _load(tmp_path, "refit-zero3", r), _load(tmp_path, "refit-ddp", r)
         assert len(got["losses"]) == 8
@@ -510,6 +516,27 @@ def scenario_misc(run):
         report = trainer.strategy.engine.memory_report()
         run.dump(f"offload-{s}", trainer, losses=model.losses, host_bytes=report.get("host", 0),
                  offload=trainer.strategy.config.offload_optimizer)
+
+    # Disk-offload names (ZeRO-Infinity): nvme_path from the environment; the engine (and
+    # its files) stays attached after fit, until the next fit releases it or it is collected.
+    nvme_root = Path(run.out) / f"nvme-rank{torch.distributed.get_rank() if torch.distributed.is_initialized() else 0}"
+    os.environ["ZERO_STRATEGY_NVME_PATH"] = str(nvme_root)
+    for s in ("zero2_offload_nvme", "zero3_offload_nvme"):
+        model = run.model()
+        trainer = run.trainer(s)
+        trainer.fit(model, _data(8))
+        report = trainer.strategy.engine.memory_report()
+        run.dump(f"offload-{s}", trainer, losses=model.losses, disk_bytes=report.get("disk", 0),
+                 held=len(list(nvme_root.iterdir())),
+                 offload=[trainer.strategy.config.offload_optimizer, trainer.strategy.config.offload_param])
+    del os.environ["ZERO_STRATEGY_NVME_PATH"]
+    rank = trainer.global_rank
+    del model, trainer, report
+    import gc
+
+    gc.collect()
+    (Path(run.out) / f"offload-nvme-collected.rank{rank}.json").write_text(
+        json.dumps({"left": sorted(p.name for p in nvme_root.iterdir())}))
 
     # The standalone pytorch_lightning package: separate classes, separate registry.
     import pytorch_lightning

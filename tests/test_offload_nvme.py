@@ -306,3 +306,14 @@ def test_disk_offload_matches_in_memory_training_saves_reshards_and_fails_togeth
     assert r1["resumed_disk"] == r1["resumed_memory"]  # fp32: bit-equal
     assert max(abs(a - b) for a, b in zip(r1["resumed_disk"], r1["uninterrupted"])) < 2e-5
     assert os.listdir(root1) == []
+
+
+def test_lightning_names_take_the_path_from_the_environment(tmp_path, monkeypatch):
+    L = pytest.importorskip("lightning.pytorch")
+    monkeypatch.delenv("ZERO_STRATEGY_NVME_PATH", raising=False)
+    with pytest.raises(ValueError, match="needs a directory for its files: set nvme_path .* ZERO_STRATEGY_NVME_PATH"):
+        L.Trainer(strategy="zero3_offload_nvme", accelerator="cpu", devices=1, logger=False)
+    monkeypatch.setenv("ZERO_STRATEGY_NVME_PATH", str(tmp_path))
+    for name, param in (("zero2_offload_nvme", "none"), ("zero3_offload_nvme", "nvme")):
+        cfg = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False).strategy.config
+        assert (cfg.offload_optimizer, cfg.offload_param, cfg.nvme_path) == ("nvme", param, str(tmp_path))

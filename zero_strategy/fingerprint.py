@@ -7,7 +7,8 @@ a process (different models issue collectives of different sizes).  So
 :func:`check_same_setup` runs first in ``ZeroEngine.__init__``, before any other
 collective.  Each rank hashes
 
-* ``config``: every ZeroConfig field;
+* ``config``: every ZeroConfig field but ``nvme_path`` (each rank may keep its
+  disk-offload files on a local disk of its own);
 * ``parameters`` / ``buffers``: names, shapes, dtypes (and ``requires_grad``);
 * ``optimizer``: its class, and per param group the hyperparameters (every key but
   ``params``) and which parameters it holds, by name (in any order);
@@ -63,6 +64,10 @@ def _scalar(value):
     return _ADDRESS.sub("", repr(value))  # floats exactly (0.1 and 0.1000000001 differ)
 
 
+# Config fields that may differ between ranks: where a rank keeps its own files.
+_PER_RANK_FIELDS = ("nvme_path",)
+
+
 def describe_setup(model: nn.Module, optimizer, config, *, sync_module_states: bool, pretrained) -> Dict[str, object]:
     """What must be equal on every rank, as JSON-able values (see [Note: the setup check])."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -74,7 +79,7 @@ def describe_setup(model: nn.Module, optimizer, config, *, sync_module_states: b
             held = sorted(names.get(id(p), "<not in the model>") for p in g["params"])
             groups.append({"hyperparameters": hyper, "params": held})
     return {
-        "config": {k: _scalar(v) for k, v in sorted(config.to_dict().items())},
+        "config": {k: _scalar(v) for k, v in sorted(config.to_dict().items()) if k not in _PER_RANK_FIELDS},
         "parameters": [[n, list(p.shape), str(p.dtype), bool(p.requires_grad)] for n, p in model.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
         "optimizer": None if optimizer is None else {"class": type(optimizer).__qualname__, "groups": groups},

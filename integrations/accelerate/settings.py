@@ -6,7 +6,8 @@ environment variable (:data:`ENV_VAR`); both sides parse it with
 
 Key names follow Accelerate's DeepSpeed plugin where the meaning is the same
 (``zero_stage``, ``gradient_clipping``, ``offload_optimizer_device``,
-``offload_param_device``, ``zero3_init_flag``, ``zero3_save_16bit_model``); every other
+``offload_param_device``, ``offload_optimizer_nvme_path``, ``offload_param_nvme_path``,
+``zero3_init_flag``, ``zero3_save_16bit_model``); every other
 key is a :class:`zero_strategy.ZeroConfig` field with the core's own name.  The
 precision is not set here: it is accelerate's own top-level ``mixed_precision``.
 
@@ -37,6 +38,8 @@ _PLUGIN_KEYS = (
     "gradient_clipping",
     "offload_optimizer_device",
     "offload_param_device",
+    "offload_optimizer_nvme_path",
+    "offload_param_nvme_path",
     "zero3_init_flag",
     "zero3_save_16bit_model",
 )
@@ -125,14 +128,25 @@ def _offload_device(key: str, value: Any) -> str:
     device = "none" if value is None else str(value).strip().lower()
     if device not in _OFFLOAD_DEVICES:
         raise _error(key, f"must be one of {', '.join(_OFFLOAD_DEVICES)}, got {value!r}")
-    supported = ("none", "cpu") if key == "offload_optimizer_device" else ("none",)
-    if device not in supported:
-        what = "optimizer-state offload to NVMe" if key == "offload_optimizer_device" else "parameter offload"
+    if key == "offload_param_device" and device == "cpu":
         raise _error(
             key,
-            f"{what} is not implemented in zero_strategy; use {' or '.join(supported)}",
+            "parameter offload to host memory is not implemented in zero_strategy (the 16-bit parameters stay "
+            "where they are computed); use none, or nvme (stage 3, with offload_optimizer_device: nvme)",
         )
     return device
+
+
+def _nvme_path(section: Mapping) -> Optional[str]:
+    """Accelerate names one NVMe path per offload; the engine keeps both in one directory."""
+    given = {k: section[k] for k in ("offload_optimizer_nvme_path", "offload_param_nvme_path", "nvme_path")
+             if section.get(k) not in (None, "", "none")}
+    paths = {str(v) for v in given.values()}
+    if len(paths) > 1:
+        listed = ", ".join(f"{k}: {v!r}" for k, v in given.items())
+        raise _error(next(iter(given)), f"zero_strategy keeps every offload file of a rank in one directory, but "
+                                        f"the section names several ({listed}); give one path")
+    return paths.pop() if paths else None
 
 
 def parse_section(section: Any) -> ZeroSettings:
@@ -163,7 +177,13 @@ def parse_section(section: Any) -> ZeroSettings:
         if key == "offload_optimizer_device":
             engine["offload_optimizer"] = _offload_device(key, value)
         elif key == "offload_param_device":
-            _offload_device(key, value)
+            engine["offload_param"] = _offload_device(key, value)
+        elif key in ("offload_optimizer_nvme_path", "offload_param_nvme_path", "nvme_path"):
+            path = _nvme_path(section)
+            # Accelerate's own configs carry a path whatever the device ('none' offload):
+            # the engine takes one only when something is offloaded to disk.
+            if path is not None:
+                engine["nvme_path"] = path
         elif key in flags:
             flags[key] = _as_bool(key, value)
         elif key == "zero_stage":
@@ -171,7 +191,11 @@ def parse_section(section: Any) -> ZeroSettings:
         else:
             assert key in engine_fields
             engine[key] = value
-    for plugin_key, core_key in (("zero_stage", "stage"), ("offload_optimizer_device", "offload_optimizer")):
+    if "nvme_path" in engine and "nvme" not in (engine.get("offload_optimizer"), engine.get("offload_param")):
+        if "nvme_path" not in section:
+            del engine["nvme_path"]  # an accelerate-style path with nothing offloaded to disk
+    for plugin_key, core_key in (("zero_stage", "stage"), ("offload_optimizer_device", "offload_optimizer"),
+                                 ("offload_param_device", "offload_param")):
         if plugin_key in section and core_key in section and str(section[plugin_key]).lower() != str(section[core_key]).lower():
             raise _error(plugin_key, f"{section[plugin_key]!r} disagrees with {core_key}: {section[core_key]!r}; give one of them")
     # Let the core check every value now (with some precision; the real one comes later).

@@ -5,6 +5,7 @@ anything: every model-state operation goes through zero_strategy's public API.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import contextlib
 from contextlib import contextmanager
@@ -34,8 +35,18 @@ STRATEGY_NAMES = {
                       "ZeRO stage 2 with the optimizer state and step in host memory (ZeRO-Offload) (zero_strategy)"),
     "zero3_offload": ({"stage": 3, "offload_optimizer": "cpu"},
                       "ZeRO stage 3 with the optimizer state and step in host memory (ZeRO-Offload) (zero_strategy)"),
+    "zero2_offload_nvme": ({"stage": 2, "offload_optimizer": "nvme"},
+                           "ZeRO stage 2 with the optimizer state in files under nvme_path and the step on the host "
+                           "(ZeRO-Infinity; nvme_path from $ZERO_STRATEGY_NVME_PATH or the config) (zero_strategy)"),
+    "zero3_offload_nvme": ({"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
+                           "ZeRO stage 3 with the optimizer state and the 16-bit parameter shards in files under nvme_path "
+                           "(ZeRO-Infinity; nvme_path from $ZERO_STRATEGY_NVME_PATH or the config) (zero_strategy)"),
     "zero": ({}, "ZeRO with the configuration's stage (default 2) (zero_strategy)"),
 }
+
+NVME_PATH_ENV = "ZERO_STRATEGY_NVME_PATH"
+"""Where the *_offload_nvme names put their files when neither the config nor the
+strategy's options give nvme_path (a name carries no path of its own)."""
 
 
 def base_config(stage: Optional[int], config: Any, options: Mapping[str, Any]):
@@ -49,6 +60,13 @@ def base_config(stage: Optional[int], config: Any, options: Mapping[str, Any]):
     changes = {k: v for k, v in options.items() if v is not None}
     if stage is not None:
         changes["stage"] = stage
+    merged = {**cfg.to_dict(), **changes}
+    if "nvme" in (merged["offload_optimizer"], merged["offload_param"]) and merged["nvme_path"] is None:
+        if not os.environ.get(NVME_PATH_ENV):
+            raise ValueError(
+                "disk offload (offload_optimizer='nvme') needs a directory for its files: set nvme_path (e.g. "
+                f"ZeroStrategy(..., nvme_path='/local_nvme/zero')) or the environment variable {NVME_PATH_ENV}")
+        changes["nvme_path"] = os.environ[NVME_PATH_ENV]
     return cfg.replace(**changes) if changes else cfg
 
 
