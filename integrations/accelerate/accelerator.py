@@ -12,11 +12,15 @@ Accelerator method            with zero_config
                               :class:`~zero_strategy.ZeroEngine` (the model is sharded
                               in place and returned as the same object, not wrapped in
                               DDP); the optimizer comes back as an AcceleratedOptimizer
-                              over the engine's ``ZeroOptimizer``.  A model prepared
-                              without its optimizer is Accelerate's (DDP) until its
-                              optimizer comes (docs/accelerate.md)
-``backward``                  ``engine.backward`` (loss scale for fp16), after the usual
-                              division by ``gradient_accumulation_steps``
+                              over the engine's ``ZeroOptimizer``.  A frozen model, or
+                              one prepared with ``evaluation_mode=True``, gets an engine
+                              of its own without an optimizer; several models each have
+                              their engine, in one process group.  A trainable model
+                              prepared without its optimizer is Accelerate's (DDP) until
+                              its optimizer comes (docs/accelerate.md)
+``backward``                  ``engine.backward`` of the trained model's engine (loss
+                              scale for fp16), after the usual division by
+                              ``gradient_accumulation_steps``
 ``no_sync`` / ``accumulate``  ``engine.no_sync()`` on non-boundary micro-batches
 ``clip_grad_norm_``           ``engine.clip_grad_norm_``: the global norm over all shards
 ``clip_grad_value_``          ``engine.clip_grad_value_``
@@ -26,8 +30,12 @@ Accelerator method            with zero_config
 ``save_model``
 ``save_state`` /              Accelerate's files, plus ``zero_checkpoint/`` with every
 ``load_state``                rank's shard of the model states
-``unwrap_model``              the user's model object (nothing wraps it)
+``unwrap_model``              the user's model object (nothing wraps it); moving or
+                              casting it takes it out of ZeRO unless nothing changes
+                              (release.py)
 ============================  ==========================================================
+
+Each call acts on the engine of the model (or optimizer, or parameters) it is given.
 
 Mixed precision is the engine's: 16-bit parameters with fp32 masters and inputs cast
 at the model's root, so this Accelerator neither autocasts nor uses a GradScaler.
@@ -51,6 +59,7 @@ from accelerate.utils import extract_model_from_parallel
 
 from .. import pretrained as _pretrained
 from . import loading as _loading
+from . import release as _release
 from . import settings as _settings
 from . import state as _state
 
@@ -69,6 +78,15 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     @property
     def step_was_skipped(self) -> bool:
         return bool(self.engine.last_step_skipped)
+
+    def step(self, closure=None):
+        if self.gradient_state.sync_gradients and _is_closed(self.engine):
+            raise RuntimeError(
+                f"zero_config: the {type(self.engine.module).__name__} this optimizer trains has left ZeRO (it was "
+                "moved or cast as a whole, e.g. model.to(...) / .cpu() / .float(), after prepare, which gives back "
+                "an ordinary module with whole fp32 parameters); prepare the model and a new optimizer again to train it"
+            )
+        return super().step(closure)
 
 
 class ZeroAccelerator(Accelerator):
@@ -95,8 +113,8 @@ class ZeroAccelerator(Accelerator):
         # The engine casts parameters and inputs itself: no autocast, no GradScaler.
         self.native_amp = False
         self.scaler = None
-        self._zero_engine = None
-        self._zero_wrapper: Optional[ZeroAcceleratedOptimizer] = None
+        self._zero_engines: list = []  # every engine this Accelerator built, in order (their checkpoint folders follow it)
+        self._zero_optimizer_wrappers = {}  # id(engine) -> its ZeroAcceleratedOptimizer
         self._zero_pending: List[torch.nn.Module] = []  # training models still without their optimizer
         self._zero_guards = {}
         self._zero_wrappers = {}  # id(model) -> the DDP wrapper prepare returned for it without an optimizer
@@ -106,24 +124,31 @@ class ZeroAccelerator(Accelerator):
 
     # -- which objects are ZeRO's ---------------------------------------------------------
     @property
+    def zero_engines(self) -> list:
+        """The open :class:`zero_strategy.ZeroEngine` of every prepared model, in the order built."""
+        return [e for e in self._zero_engines if not _is_closed(e)]
+
+    @property
     def zero_engine(self):
-        """The :class:`zero_strategy.ZeroEngine` (None until a model and its optimizer are prepared)."""
-        return self._zero_engine
+        """The first trained model's engine (else the first engine; None before any)."""
+        engines = self.zero_engines
+        return next((e for e in engines if e.optimizer is not None), engines[0] if engines else None)
 
     def zero_engine_for(self, model):
-        engine = self._zero_engine
-        if engine is None or model is None:
+        if model is None:
             return None
-        if model is engine.module or extract_model_from_parallel(model) is engine.module:
-            return engine
-        return None
+        inner = extract_model_from_parallel(model)
+        return next((e for e in self.zero_engines if model is e.module or inner is e.module), None)
+
+    def _zero_trained_engines(self) -> list:
+        return [e for e in self.zero_engines if e.optimizer is not None]
 
     @contextlib.contextmanager
     def _zero_hidden(self):
         """Keep Accelerate's own checkpointing away from the sharded model and optimizer."""
         models, optimizers = self._models, self._optimizers
         self._models = [m for m in models if self.zero_engine_for(m) is None]
-        self._optimizers = [o for o in optimizers if not isinstance(o, ZeroAcceleratedOptimizer)]
+        self._optimizers = [o for o in optimizers if not (isinstance(o, ZeroAcceleratedOptimizer) and not _is_closed(o.engine))]
         try:
             yield
         finally:
@@ -139,9 +164,11 @@ class ZeroAccelerator(Accelerator):
                 self._zero_start(opt, models)
         return super().prepare(*args, device_placement=device_placement)
 
+    def _zero_engine_of_optimizer(self, optimizer):
+        return next((e for e in self.zero_engines if e.optimizer is not None and optimizer in (e.inner_optimizer, e.optimizer)), None)
+
     def _zero_start(self, optimizer, models) -> None:
-        engine = self._zero_engine
-        if engine is not None and optimizer in (engine.inner_optimizer, engine.optimizer):
+        if self._zero_engine_of_optimizer(optimizer) is not None:
             return
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
         owner = next(
@@ -154,11 +181,28 @@ class ZeroAccelerator(Accelerator):
                 "an earlier one). Prepare the model and the optimizer built over its parameters."
             )
         model, placement = owner
-        if engine is not None:
-            raise NotImplementedError(
-                "zero_config: one model/optimizer pair per Accelerator is supported; this Accelerator "
-                f"already runs {type(engine.module).__name__} with ZeRO"
+        running = self.zero_engine_for(model)
+        if running is not None:
+            what = "with another optimizer" if running.optimizer is not None else "for evaluation (without an optimizer)"
+            raise ValueError(
+                f"zero_config: this {type(model).__name__} already runs on a ZeroEngine {what}; one engine per model: "
+                "give one optimizer all of its parameters (several param groups), in the prepare call that first "
+                "passes the model"
             )
+        self._zero_build(model, optimizer, placement)
+        guard = self._zero_guards.pop(id(model), None)
+        if guard is not None:
+            guard.remove()
+        wrapper = self._zero_wrappers.pop(id(model), None)
+        if wrapper is not None:
+            _retire_wrapper(wrapper)
+        self._zero_pending = [m for m in self._zero_pending if m is not model]
+
+    def _zero_build(self, model, optimizer, placement):
+        """Shard ``model`` into an engine of its own (``optimizer`` None: for evaluation).
+
+        Every engine of this Accelerator uses the default process group; each keeps its
+        own units, hooks and (with an optimizer) its own masters and optimizer state."""
         if placement is None:
             placement = self.device_placement
         if placement:
@@ -168,28 +212,25 @@ class ZeroAccelerator(Accelerator):
         # sync_module_states: every rank starts from rank 0's values, as DDP does.  A model
         # from a partitioned from_pretrained (zero3_init_flag) is filled from its files now.
         source = self._zero_agreed("partitioned loading", lambda: _pretrained.sources_in(model))
-        self._zero_engine = engine = zero_strategy.initialize(
+        engine = zero_strategy.initialize(
             model, optimizer, self.zero_config, sync_module_states=True, device=self.device, pretrained=source
         )
+        self._zero_engines.append(engine)
         if source is not None:
             self._zero_report_loading(model, source, engine.last_load_report)
         from zero_strategy.startup import startup_line
 
         line = startup_line(engine)  # every rank: describe() may communicate nothing, but stays symmetric
         if self.is_main_process:
-            print(f"zero_strategy: {line}", flush=True)  # nothing else says that ZeRO is on
+            role = "" if optimizer is not None else f"{type(model).__name__} for evaluation (no optimizer): "
+            print(f"zero_strategy: {role}{line}", flush=True)  # nothing else says that ZeRO is on
         atexit.register(_release_process_group, weakref.ref(engine))
         if engine.config.shards_parameters:
             # transformers' generate() (and a few speech models) then keep every rank
             # stepping until all are done, as the stage-3 all-gathers require.
             model._is_fsdp_managed_module = True
-        guard = self._zero_guards.pop(id(model), None)
-        if guard is not None:
-            guard.remove()
-        wrapper = self._zero_wrappers.pop(id(model), None)
-        if wrapper is not None:
-            _retire_wrapper(wrapper)
-        self._zero_pending = [m for m in self._zero_pending if m is not model]
+        _release.leave_engine_on_conversion(model)
+        return engine
 
     def _zero_agreed(self, what: str, work):
         """``work()`` on every rank; if it raises on any rank, every rank raises (naming the
@@ -233,7 +274,17 @@ class ZeroAccelerator(Accelerator):
                 self._models.append(model)
             return model
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
-            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+            # A reference / teacher model: an engine of its own, without an optimizer
+            # (partitioned at stage 3, 16-bit with exact fp32 values kept in bf16/fp16).
+            if any(model is m for m in self._zero_pending):
+                raise ValueError(
+                    f"zero_config: this {type(model).__name__} was prepared for training (without its optimizer) and now "
+                    "for evaluation; prepare a model once, either with its optimizer or with evaluation_mode=True"
+                )
+            self._zero_build(model, None, device_placement)
+            if model not in self._models:
+                self._models.append(model)
+            return model
         # A model to train whose optimizer is not in this call (when it is, prepare()
         # built the engine first and the branch above returned).
         if any(p.is_meta for p in model.parameters()):
@@ -262,20 +313,22 @@ class ZeroAccelerator(Accelerator):
         return wrapped
 
     def prepare_optimizer(self, optimizer, device_placement=None):
-        engine = self._zero_engine
-        if engine is not None and optimizer in (engine.inner_optimizer, engine.optimizer):
-            if self._zero_wrapper is None or self._zero_wrapper.engine is not engine:
-                self._zero_wrapper = ZeroAcceleratedOptimizer(engine)
-            if self._zero_wrapper not in self._optimizers:
-                self._optimizers.append(self._zero_wrapper)
-            return self._zero_wrapper
+        engine = self._zero_engine_of_optimizer(optimizer)
+        if engine is not None:
+            wrapper = self._zero_optimizer_wrappers.get(id(engine))
+            if wrapper is None or wrapper.engine is not engine:
+                wrapper = self._zero_optimizer_wrappers[id(engine)] = ZeroAcceleratedOptimizer(engine)
+            if wrapper not in self._optimizers:
+                self._optimizers.append(wrapper)
+            return wrapper
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     # -- the training step ----------------------------------------------------------------
     def backward(self, loss, **kwargs):
-        engine = self._zero_engine
-        if engine is None:
+        engines = self._zero_trained_engines()
+        if not engines:
             return super().backward(loss, **kwargs)
+        engine = engines[0] if len(engines) == 1 else _engine_for_loss(engines, loss)
         kwargs.pop("learning_rate", None)  # LOMO-only argument
         loss = loss / self.gradient_accumulation_steps
         if self._zero_trace is None:
@@ -307,13 +360,21 @@ class ZeroAccelerator(Accelerator):
 
     def _zero_engine_for_parameters(self, parameters):
         parameters = list(parameters)
-        engine = self._zero_engine
-        if engine is None:
-            return None, parameters
         given = {id(p) for p in parameters}
-        trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
-        if not given & trainable:
+        touched = []
+        for engine in self._zero_trained_engines():
+            trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
+            if given & trainable:
+                touched.append((engine, trainable))
+        if not touched:
             return None, parameters
+        if len(touched) > 1:
+            names = ", ".join(type(e.module).__name__ for e, _ in touched)
+            raise ValueError(
+                f"zero_config: these parameters belong to several models, each on its own ZeroEngine ({names}); "
+                "clip each model's gradients in a call of its own (accelerator.clip_grad_norm_(model.parameters(), ...))"
+            )
+        engine, trainable = touched[0]
         if not trainable <= given:
             raise ValueError(
                 "zero_config: gradient clipping acts on all of the model's gradients at once (they are "
@@ -365,18 +426,26 @@ class ZeroAccelerator(Accelerator):
                     state_dict[name] = cast[id(tensor)]
         return state_dict
 
+    def _zero_checkpointed(self):
+        """(engine, its sub-folder name) for every open engine: the first engine built
+        keeps ``zero_checkpoint/``, the i-th ``zero_checkpoint_<i>/``, i counting every
+        engine built (as Accelerate numbers ``model_<i>``), so a script that prepares its
+        models in the same order finds each one's state again."""
+        return [(e, _state.subdir_for(i)) for i, e in enumerate(self._zero_engines) if not _is_closed(e)]
+
     def save_state(self, output_dir=None, safe_serialization=True, **save_model_func_kwargs):
-        engine = self._zero_engine
-        if engine is None:
+        engines = self._zero_checkpointed()
+        if not engines:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
         with self._zero_hidden():
             location = super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
-        _state.save_engine(engine, location)
+        for engine, subdir in engines:
+            _state.save_engine(engine, location, subdir)
         return location
 
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
-        engine = self._zero_engine
-        if engine is None:
+        engines = self._zero_checkpointed()
+        if not engines:
             return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
         resolved = []
         handle = self.register_load_state_pre_hook(lambda models, folder: resolved.append(folder))
@@ -385,7 +454,47 @@ class ZeroAccelerator(Accelerator):
                 super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
         finally:
             handle.remove()
-        _state.load_engine(engine, resolved[-1])
+        for engine, subdir in engines:
+            _state.load_engine(engine, resolved[-1], subdir)
+
+
+def _is_closed(engine) -> bool:
+    return engine.phase.value == "closed"
+
+
+def _engine_for_loss(engines, loss):
+    """With several trained models, ``accelerator.backward(loss)`` runs once through
+    autograd whichever engines the loss reaches (each engine's hooks take its own
+    gradients); only the fp16 loss scale is per engine, so it needs the one engine the
+    loss belongs to."""
+    scaled = [e for e in engines if e.scaler.scale != 1.0]
+    if not scaled:
+        return engines[0]  # no loss scale: the first engine's backward is loss.backward()
+    reached = _engines_reached(loss, engines)
+    if len(reached) == 1:
+        return reached[0]
+    names = ", ".join(type(e.module).__name__ for e in (reached or engines))
+    raise ValueError(
+        f"zero_config: with fp16 loss scaling, each model trained on its own ZeroEngine scales its own loss, but this "
+        f"loss reaches {'several of them' if reached else 'none of them'} ({names}); compute one loss per trained model "
+        "and call accelerator.backward on each (or use bf16, which needs no loss scale)"
+    )
+
+
+def _engines_reached(loss, engines):
+    owner = {id(p): e for e in engines for p in e.module.parameters() if p.requires_grad}
+    found, seen, todo = [], set(), [getattr(loss, "grad_fn", None)]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf that gets a gradient
+        engine = owner.get(id(variable)) if variable is not None else None
+        if engine is not None and all(engine is not e for e in found):
+            found.append(engine)
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
 
 
 def _release_process_group(engine_ref) -> None:

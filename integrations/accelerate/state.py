@@ -2,7 +2,9 @@
 
 A checkpoint folder (``accelerator.save_state(dir)``, or a Trainer ``checkpoint-N``)
 gets a ``zero_checkpoint/`` sub-folder holding every rank's shard of the model states
-(weights, fp32 masters, optimizer state, loss scale).  Everything else in the folder
+(weights, fp32 masters, optimizer state, loss scale); with several models, each on its
+own engine, the i-th engine built (from 0) writes ``zero_checkpoint_<i>/`` (the first
+keeps ``zero_checkpoint/``).  Everything else in the folder
 (RNG states, scheduler, sampler, trainer state, consolidated weights) is written by
 Accelerate / the Trainer as usual.
 
@@ -24,21 +26,27 @@ from zero_strategy.materialize import file_inside
 CHECKPOINT_SUBDIR = "zero_checkpoint"
 
 
-def save_engine(engine, folder: str) -> None:
-    """Collective: every rank writes its shard into ``folder/zero_checkpoint``."""
-    engine.save_checkpoint(os.path.join(folder, CHECKPOINT_SUBDIR))
+def subdir_for(index: int) -> str:
+    """The sub-folder of the ``index``-th engine an Accelerator built (0 is the first)."""
+    return CHECKPOINT_SUBDIR if index == 0 else f"{CHECKPOINT_SUBDIR}_{index}"
 
 
-def load_engine(engine, folder: str):
-    """Collective: every rank restores its shard from ``folder/zero_checkpoint``."""
+def save_engine(engine, folder: str, subdir: str = CHECKPOINT_SUBDIR) -> None:
+    """Collective: every rank writes its shard into ``folder/<subdir>``."""
+    engine.save_checkpoint(os.path.join(folder, subdir))
+
+
+def load_engine(engine, folder: str, subdir: str = CHECKPOINT_SUBDIR):
+    """Collective: every rank restores its shard from ``folder/<subdir>``."""
     from zero_strategy.checkpoint_files import existing
 
-    directory = os.path.join(folder, CHECKPOINT_SUBDIR)
+    directory = os.path.join(folder, subdir)
     # existing() also finds ``zero_checkpoint.old``, where the previous checkpoint is
     # when a save was interrupted between its two renames; load_checkpoint reads it.
     if existing(directory) is None:
         raise FileNotFoundError(
-            f"{folder!r} has no {CHECKPOINT_SUBDIR}/: it was not saved by a run with a zero_config section"
+            f"{folder!r} has no {subdir}/ for the {type(engine.module).__name__} on ZeRO: it was not saved by a run "
+            "with a zero_config section that prepared the same models in the same order"
         )
     return engine.load_checkpoint(directory)
 

@@ -1,0 +1,58 @@
+"""Several models per Accelerator: a trained policy and frozen references, each on its own
+ZeroEngine in one process group (the shape of TRL's DPOTrainer).
+
+tests/accelerate_multi_model_script.py prepares ``(policy, optimizer, loader)``, then a
+frozen reference with ``prepare(ref)`` and a second one with
+``prepare_model(ref, evaluation_mode=True)``, and trains the policy on a loss that uses
+both references' outputs, with accumulation, clipping and a save_state / load_state
+round trip.  Launched with the real ``accelerate launch`` on 2 CPU processes (machinery
+of tests/test_accelerate.py) at stage 2 and at stage 3 with every parameter partitioned.
+References: the same script under a plain DDP config (per-step losses and final policy
+weights, fp32, to 1e-5), the uninterrupted run (the resumed steps), and a plain copy of
+the reference model that was never prepared (its outputs and consolidated weights).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from test_accelerate import Launcher  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("accelerate_multi_model_script.py")
+
+
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory):
+    return Launcher(tmp_path_factory.mktemp("multi_model"))
+
+
+def _run(launcher, config):
+    folder = launcher.root / config
+    out = folder / "out.json"
+    if not out.exists():
+        folder.mkdir(exist_ok=True)
+        launcher.run(launcher.command(config, SCRIPT, [str(out)]), reference_output=out if config == "ddp" else None)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_policy_with_frozen_references_matches_ddp(launcher, stage):
+    ref = _run(launcher, "ddp")
+    got = _run(launcher, f"zero{stage}")
+    assert ref["accelerator_class"] == "Accelerator" and got["accelerator_class"] == "ZeroAccelerator"
+    assert len(got["losses"]) == len(ref["losses"]) == 12
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert abs(a - b) <= 1e-5, (got["losses"], ref["losses"])
+    assert got["resumed"] == got["losses"][-len(got["resumed"]):]  # load_state restored every engine exactly
+    mine, stock = load_file(got["policy_weights"]), load_file(ref["policy_weights"])
+    assert sorted(mine) == sorted(stock)
+    for name in stock:
+        assert (mine[name] - stock[name]).abs().max() <= 1e-5, name
+    for run in (ref, got):
+        assert run["ref_keys_equal"] and all(run["unwrap_is_model"].values())
+        assert run["ref_output_gap"] == {"ref": 0.0, "ref_eval": 0.0}  # exactly the never-prepared copy
+        assert run["ref_weight_gap"] == {"ref": 0.0, "ref_eval": 0.0}
