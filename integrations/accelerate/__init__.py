@@ -11,7 +11,8 @@
 
 See docs/accelerate.md.  Modules: ``settings`` (the section), ``hooks`` (the start-up
 hooks), ``accelerator`` (ZeroAccelerator), ``trainer`` (Trainer checkpointing),
-``state`` (checkpoint folders), ``run`` (the runner where start-up hooks are unavailable).
+``state`` (checkpoint folders), ``release`` (what moving or casting a prepared model does),
+``loading`` (zero3_init_flag), ``run`` (the runner where start-up hooks are unavailable).
 Importing this package imports neither accelerate nor torch.
 """
 from __future__ import annotations
