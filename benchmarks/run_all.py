@@ -161,13 +161,13 @@ def render(args, summaries, sim_rows):
         lines += [
             "## Beyond this machine: per-rank model states from the real partition plan",
             "",
-            "`benchmarks/simulate_scale.py`: Llama-shaped models built on the meta device; for each world size "
-            "a `ZeroEngine` is built on torch's fake process group as rank 0 of N (its real planner, flat-unit "
-            "layouts, padding and persistent small parameters), takes one meta optimizer step, and reports "
-            "`memory_report()`. *formula* = `zero_strategy.estimate` (bf16 parameters and gradients, Adam with "
-            "an fp32 master copy: K = 12). Stage 3 sits slightly above the formula because parameters under "
-            "`param_persistence_threshold` (norm weights) stay whole on every rank. *engine build* is the "
-            "time to plan and lay out the units (nothing is materialised).",
+            simulate_scale.DESCRIPTION,
+            "",
+            "Regenerate (prints the table; `run_all.py` renders it here):",
+            "",
+            "```",
+            simulate_scale.REGENERATE,
+            "```",
             "",
             simulate_scale.markdown(sim_rows).rstrip(),
             "",

@@ -65,5 +65,11 @@ def test_simulate_scale_7b_plan_matches_formula():
         assert r["plan_bytes"] <= r["formula_bytes"] * 1.01
     assert rows[3]["plan_bytes"] < 0.9 * rows[3]["formula_bytes"]  # 14Ψ/N vs the paper's 16Ψ/N
     assert rows[3]["plan_bytes"] < 0.5e9
+    # Stage 3 gathers one LlamaDecoderLayer at a time (Llama-7B has 32): each holds ~200M
+    # elements, far above min_gather_numel, so none is merged; the root holds the rest.
+    assert rows[3]["unit_modules"] == ["LlamaDecoderLayer"]
+    assert rows[3]["block_gathers"] == 32 and rows[3]["modules_per_block_gather"] == 1
+    assert rows[3]["gathers"] == 33
+    assert rows[3]["disk_offload_disk_bytes"] == 14 * -(-r["psi"] // 256)  # 12Ψ/N master + Adam, 2Ψ/N shard
     table = simulate_scale.markdown(rows)
     assert table.count("\n| 7b |") == 4
