@@ -1,0 +1,121 @@
+"""benchmarks/gpu_check: the GPU check's whole code path rehearsed on CPU with tiny shapes
+(--device cpu --tiny), so the one-shot run on a lent GPU does not fail on a bug
+reachable here. Figures are checked against references outside the script: GPT-2's and
+Llama's parameter counts from their shapes, the paper's per-rank formulas, MFU's
+definition, and plain PyTorch's losses on the same batch."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+
+
+def _gpu_check():
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import gpu_check
+
+    return gpu_check
+
+
+def _gpt2_params(n_layer, n_embd, vocab_size, n_positions, **_):
+    # Per block: qkv (3h² + 3h), proj (h² + h), fc (4h² + 4h), fc-proj (4h² + h), two LayerNorms (4h).
+    h = n_embd
+    return n_layer * (12 * h * h + 13 * h) + vocab_size * h + n_positions * h + 2 * h  # tied head, ln_f
+
+
+def _llama_params(hidden_size, intermediate_size, num_hidden_layers, vocab_size, **_):
+    h, i = hidden_size, intermediate_size  # as many KV heads as heads in the tiny shape
+    return num_hidden_layers * (4 * h * h + 3 * h * i + 2 * h) + 2 * vocab_size * h + h  # untied head, final norm
+
+
+def _paper_bytes(psi, n, stage):
+    shard = -(-psi // n)
+    return {0: 16 * psi, 1: 4 * psi + 12 * shard, 2: 2 * psi + 14 * shard, 3: 16 * shard}[stage]
+
+
+def test_tiny_cpu_rehearsal_reports_every_part(tmp_path):
+    gpu_check = _gpu_check()
+    out = tmp_path / "out"
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--no-isolate", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "gpu_check.json").read_text())
+    page = (out / "gpu_check.md").read_text()
+    for heading in ("## Step time, MFU", "## Peak memory of one rank", "## Activation checkpointing", "## Optimizer offload"):
+        assert heading in page
+    parts = report["parts"]
+    assert list(parts) == ["stages", "activations", "memory_at_n", "offload"]
+    for name, part in parts.items():
+        assert part["status"] == "ok" and "error" not in part, (name, part.get("error"))
+    shapes = report["shapes"]
+    psi = _gpt2_params(**shapes["gpt"])
+    tokens = shapes["batch"] * shapes["seq"]
+
+    # (a, b, c) plain PyTorch and every stage, world size 1.
+    stages = parts["stages"]
+    names = ["torch_amp", "torch_bf16", "zero0", "zero1", "zero2", "zero3", "zero3_thr0"]
+    for name in names:
+        r = stages[name]
+        assert "error" not in r, (name, r["error"])
+        assert r["psi"] == psi and r["tokens_per_step"] == tokens
+        assert r["mfu"] == pytest.approx(6 * psi * tokens / r["step_s"] / 989e12)
+        assert r["estimate_formula"] == 16 * psi  # every stage is 16Ψ at N = 1
+        assert r["peak_bytes"] > 0 and r["model_state_bytes"] > 0
+    reference = stages["torch_amp"]["losses"]
+    assert reference[-1] < reference[0]  # the same batch every step: it learns
+    for name in names[2:]:
+        # bf16 compute on fp32 masters: the same arithmetic as autocast over fp32 parameters.
+        assert max(abs(a - b) for a, b in zip(stages[name]["losses"], reference)) < 2e-3, name
+    assert stages["zero3"]["vs_torch_amp"] == pytest.approx(stages["zero3"]["step_s"] / stages["torch_amp"]["step_s"])
+
+    # (c) one rank of N (fake process group): the paper's per-stage formulas.
+    at_n = parts["memory_at_n"]
+    n = at_n["world_size"]
+    assert n > 1
+    for name, stage in (("zero0", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3), ("zero3_thr0", 3)):
+        assert at_n[name]["estimate_formula"] == _paper_bytes(psi, n, stage), name
+    states = {k: at_n[k]["model_state_bytes"] for k in ("zero0", "zero1", "zero2", "zero3_thr0")}
+    assert states["zero0"] == pytest.approx(16 * psi, rel=0.01)
+    assert states["zero1"] == pytest.approx(_paper_bytes(psi, n, 1), rel=0.01)
+    # Fully partitioned stage 3 between steps: the fp32 master and Adam's moments (12Ψ/N);
+    # no 16-bit shard is kept and the gradient shard is freed after the step.
+    assert states["zero3_thr0"] == pytest.approx(12 * psi / n, rel=0.02)
+    assert states["zero0"] > states["zero1"] > states["zero2"] > states["zero3_thr0"]
+
+    # (e) activation checkpointing (and its offload) recomputes exactly: same losses.
+    acts = parts["activations"]
+    for stage in (2, 3):
+        plain = acts[f"stage{stage}_none"]["losses"]
+        for label in ("checkpointing", "checkpointing+offload"):
+            row = acts[f"stage{stage}_{label}"]
+            assert "error" not in row, row["error"]
+            assert row["losses"] == pytest.approx(plain, abs=1e-5), (stage, label)
+
+    # (d) optimizer offload: two steps; in host memory the fp32 master, the fp32 gradient
+    # shard and Adam's moments (16Ψ/N, docs/bigger-models.md).
+    off = parts["offload"]
+    lpsi = _llama_params(**shapes["llama"])
+    assert off["model"]["psi"] == lpsi
+    assert [s["step"] for s in off["steps"]] == [1, 2]
+    host = off["steps"][-1]["memory_report"]["host"]
+    assert host == pytest.approx(16 * lpsi, rel=0.01)
+    assert off["steps"][1]["loss"] < off["steps"][0]["loss"]
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_a_part_in_its_own_process(tmp_path):
+    """benchmarks/gpu_check.sh as the GPU machine runs it (python chosen, tests/test_gpu.py
+    run and skipped, a part in a subprocess), one part, on CPU."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh"), "--device", "cpu", "--tiny", "--parts", "offload"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["isolated"] and report["tests"]["rc"] == "0", report["tests"]
+    assert "skipped" in report["tests"]["tail"]  # no CUDA device here
+    part = report["parts"]["offload"]
+    assert part["status"] == "ok" and "error" not in part and len(part["steps"]) == 2
+    assert "## Optimizer offload" in proc.stdout
