@@ -5,8 +5,11 @@ the same tiny Llama (transformers ``LlamaConfig``, built locally from a seed), o
 the other inside the SAME spawned gloo worker processes; the systems run in a different
 order on each repeat (odd repeats reversed), so load from other processes is spread over
 all of them.  Per system: tokens/s (new tokens of the whole batch divided by the slowest
-rank's time) as min / median / max over the repeats, the median's ratio to stage 2,
-all-gather calls per generate() (zero_strategy's own count), and whether the tokens are
+rank's time; the fastest of ``--calls`` calls in a repeat) as min / median / max over
+the repeats, the median's ratio to stage 2 and the median of the ratios within each
+repeat (the systems of one repeat run back to back, under about the same load),
+all-gather calls and bytes per generate() (zero_strategy's own count: the output
+buffers, so the whole gathered tensor per call), and whether the tokens are
 exactly the single-process model's.
 
     .venv/bin/python benchmarks/bench_generate.py                 # 2 ranks, 64 new tokens, 5 repeats
@@ -80,22 +83,27 @@ def run_system(name, args, reference_state, ids, expected):
         target = wrapper.module
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        engine = zero_strategy.initialize(model, optimizer, ZERO_CONFIGS[name])
+        engine = zero_strategy.initialize(model, optimizer, {**args.zero_config, **ZERO_CONFIGS[name]})
         target = model
     synced = engine is not None and engine.config.shards_parameters
+    seconds, same = [], True
     with torch.no_grad():
         generate(target, ids, args, 2, synced)  # warm-up, not timed
         if engine is not None:
             engine.reset_comm_report()
-        dist.barrier()
-        t0 = time.perf_counter()
-        out = generate(target, ids, args, args.new_tokens, synced)
-        seconds = time.perf_counter() - t0
-    gathers = engine.comm_report()["all_gather"].calls if engine is not None else 0
+        for _ in range(args.calls):
+            dist.barrier()
+            t0 = time.perf_counter()
+            out = generate(target, ids, args, args.new_tokens, synced)
+            seconds.append(time.perf_counter() - t0)
+            same = same and bool(torch.equal(out, expected))
+    tally = engine.comm_report()["all_gather"] if engine is not None else None
+    gathers = tally.calls // args.calls if tally is not None else 0
+    gathered_bytes = tally.bytes // args.calls if tally is not None else 0
     if engine is not None:
         engine.close()
     del wrapper, model
-    return {"seconds": seconds, "all_gathers": gathers, "same_tokens": bool(torch.equal(out, expected))}
+    return {"seconds": seconds, "all_gathers": gathers, "all_gather_bytes": gathered_bytes, "same_tokens": same}
 
 
 def worker_main(rank, world_size, store_path, args, queue):
@@ -173,18 +181,24 @@ def summarize(args, per_rank):
     rows = []
     for name in args.systems:
         runs = [[r["results"][name][k] for r in per_rank] for k in range(args.repeats)]
-        # A generate() is as slow as its slowest rank.
-        rates = [tokens / max(x["seconds"] for x in ranks) for ranks in runs]
+        # A generate() is as slow as its slowest rank; of the --calls in one repeat the
+        # fastest counts (the others shared the cores with something else).
+        rates = [tokens / min(max(x["seconds"][c] for x in ranks) for c in range(args.calls)) for ranks in runs]
         rows.append({
             "system": name,
             "tokens_per_s": rates,
             "min": min(rates), "median": statistics.median(rates), "max": max(rates),
             "all_gathers_per_generate": max(x["all_gathers"] for ranks in runs for x in ranks),
+            "all_gather_bytes_per_generate": max(x["all_gather_bytes"] for ranks in runs for x in ranks),
             "same_tokens": all(x["same_tokens"] for ranks in runs for x in ranks),
         })
-    zero2 = next((r["median"] for r in rows if r["system"] == "zero2"), None)
+    zero2 = next((r for r in rows if r["system"] == "zero2"), None)
     for r in rows:
-        r["median_vs_zero2"] = r["median"] / zero2 if zero2 else None
+        r["median_vs_zero2"] = r["median"] / zero2["median"] if zero2 else None
+        # Repeat k of every system ran back to back: the ratio within a repeat cancels
+        # most of the load that changes between repeats.
+        r["paired_vs_zero2"] = (statistics.median(a / b for a, b in zip(r["tokens_per_s"], zero2["tokens_per_s"]))
+                                if zero2 else None)
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "threads_per_rank": per_rank[0]["threads"],
@@ -198,15 +212,18 @@ def render(summary) -> str:
     lines = [
         f"generate(): Llama {c['layers']} layers x {c['hidden']} (vocab {c['vocab']}), batch {c['batch']}, "
         f"prompt {c['prompt_len']}, {c['new_tokens']} new tokens greedy, {c['world_size']} gloo ranks x "
-        f"{summary['threads_per_rank']} thread(s), {c['repeats']} repeats, fp32",
+        f"{summary['threads_per_rank']} thread(s), {c['repeats']} repeats of the best of {c['calls']} calls, fp32"
+        + (f", zero config {json.dumps(c['zero_config'])}" if c["zero_config"] else ""),
         "",
-        "| system | tokens/s min | median | max | median / zero2 | all-gathers per generate | tokens = single process |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| system | tokens/s min | median | max | median / zero2 | paired / zero2 | all-gathers per generate | MiB gathered per generate | tokens = single process |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in summary["rows"]:
         ratio = f"{r['median_vs_zero2']:.2f}" if r["median_vs_zero2"] is not None else "n/a"
-        lines.append(f"| {r['system']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} | {ratio} | "
-                     f"{r['all_gathers_per_generate']} | {'yes' if r['same_tokens'] else 'NO'} |")
+        paired = f"{r['paired_vs_zero2']:.2f}" if r["paired_vs_zero2"] is not None else "n/a"
+        lines.append(f"| {r['system']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} | {ratio} | {paired} | "
+                     f"{r['all_gathers_per_generate']} | {r['all_gather_bytes_per_generate'] / 2**20:.1f} | "
+                     f"{'yes' if r['same_tokens'] else 'NO'} |")
     lines.append("")
     lines.append(f"load average at the end: {' '.join(f'{x:.2f}' for x in summary['loadavg'])}")
     return "\n".join(lines)
@@ -217,6 +234,7 @@ def parse_args(argv=None):
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calls", type=int, default=3, help="timed generate() calls per repeat; the fastest counts")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
@@ -228,14 +246,22 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--zero-config", default="{}",
+                   help='extra ZeroConfig fields (JSON) for every zero system, e.g. \'{"min_gather_numel": 0}\'')
     p.add_argument("--json", default=None, help="also write the summary here")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    try:
+        args.zero_config = json.loads(args.zero_config)
+    except ValueError as exc:
+        p.error(f"--zero-config is not JSON: {exc}")
+    if not isinstance(args.zero_config, dict):
+        p.error("--zero-config must be a JSON object of ZeroConfig fields")
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         p.error(f"unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
-    if args.repeats < 1 or args.new_tokens < 1 or args.world_size < 1:
-        p.error("--repeats, --new-tokens and --world-size must be at least 1")
+    if min(args.repeats, args.calls, args.new_tokens, args.world_size) < 1:
+        p.error("--repeats, --calls, --new-tokens and --world-size must be at least 1")
     return args
 
 
