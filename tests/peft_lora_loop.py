@@ -4,7 +4,8 @@ under a zero_config with zero3_init_flag.
 
 Writes, from the main process: ``initial.safetensors`` (the consolidated weights right
 after prepare), ``final.safetensors`` (after training) and ``out.json`` (per-step losses
-of every rank, whether from_pretrained left the base model unallocated)."""
+of every rank, whether from_pretrained left the base model unallocated), and ``adapter/``
+(PEFT's save_pretrained)."""
 import argparse
 import json
 import os
@@ -55,6 +56,11 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
     save("final.safetensors")
+    # PEFT's own adapter folder, written as users write it: every process calls
+    # save_pretrained (a collective state_dict under ZeRO stage 3), the main one writes.
+    accelerator.unwrap_model(model).save_pretrained(os.path.join(args.out, "adapter"),
+                                                    is_main_process=accelerator.is_main_process,
+                                                    save_function=accelerator.save)
     if accelerator.is_main_process:
         with open(os.path.join(args.out, "out.json"), "w") as f:
             json.dump({"losses": losses, "built_on_meta": built_on_meta, "accelerator_class": type(accelerator).__name__,

@@ -17,7 +17,7 @@ import torch.nn as nn
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from test_accelerate import Launcher, _close, _write_config  # noqa: E402
+from test_accelerate import PY, Launcher, _close, _write_config  # noqa: E402
 
 from zero_strategy.integrations import pretrained as P  # noqa: E402
 
@@ -98,6 +98,40 @@ def test_lora_over_partitioned_from_pretrained_loads_the_base_weights_exactly(ru
     assert _close(got["losses"][0], ref["losses"][0], rtol=1e-6), (got["losses"], ref["losses"])
     assert _close(got["losses"], ref["losses"], rtol=1e-5), (got["losses"], ref["losses"])
     assert got["losses"][-1] != got["losses"][0]  # the adapters train
+
+
+_RELOAD_ADAPTERS = """
+import json, sys
+import torch
+from safetensors.torch import load_file
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base, folders = json.loads(sys.argv[1])
+lora = {}
+for folder in folders:
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder + "/adapter")
+    lora[folder] = {n: p.detach() for n, p in model.named_parameters() if "lora_" in n}
+    final = load_file(folder + "/final.safetensors")  # the weights at the end of training, in the run itself
+    assert lora[folder] and all(torch.equal(t, final[n]) for n, t in lora[folder].items())
+a, b = (lora[f] for f in folders)
+leaked = sorted(m for m in sys.modules if m.split('.')[0] in ('zero_strategy', 'integrations'))
+print(json.dumps({"diff": max(float((a[k] - b[k]).abs().max()) for k in a), "keys_equal": sorted(a) == sorted(b),
+                  "lora_b_moved": min(float(a[k].abs().max()) for k in a if "lora_B" in k), "leaked": leaked}))
+"""
+
+
+@pytest.mark.slow
+def test_saved_adapter_reloads_without_zero_strategy(runs):
+    """PEFT's save_pretrained at stage 3 writes an adapter that plain PEFT loads over the
+    stock base model, equal to the DDP run's adapter and to the run's own final weights."""
+    model, out, launcher = runs
+    folders = [str(out["zero3_init"][1]), str(out["ddp"][1])]
+    env = dict(launcher.env, ZERO_STRATEGY_AUTOLOAD="0")
+    proc = launcher.run([PY, "-c", _RELOAD_ADAPTERS, json.dumps([str(model), folders])], env=env)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["leaked"] == [] and result["keys_equal"]
+    assert result["lora_b_moved"] > 1e-3  # lora_B starts at zero: the adapter saved is the trained one
+    assert result["diff"] <= 1e-6, result
 
 
 @pytest.mark.slow
