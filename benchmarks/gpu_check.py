@@ -207,17 +207,23 @@ def main(argv=None):
             data = run_part_here(args, name, time.time() + limit)
             data["status"] = "ok"
         report["parts"][name] = data
-        _write_json(os.path.join(out_dir, "gpu_check.json"), report)
+        report["total_s"] = time.time() - t_start
+        write_report(report, out_dir)  # after every part: a check stopped from outside keeps the rest
     report["total_s"] = time.time() - t_start
+    text = write_report(report, out_dir)
+    sys.stdout.write(text)
+    sys.stdout.write(f"\n(written to {out_dir}/gpu_check.md and gpu_check.json)\n")
+    return 0
+
+
+def write_report(report, out_dir) -> str:
     import gpu_check_report
 
     text = gpu_check_report.markdown(report)
     _write_json(os.path.join(out_dir, "gpu_check.json"), report)
     with open(os.path.join(out_dir, "gpu_check.md"), "w", encoding="utf-8") as f:
         f.write(text)
-    sys.stdout.write(text)
-    sys.stdout.write(f"\n(written to {out_dir}/gpu_check.md and gpu_check.json)\n")
-    return 0
+    return text
 
 
 def tests_summary(args):

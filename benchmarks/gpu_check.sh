@@ -25,7 +25,11 @@ TESTS_S=120
 START=$(date +%s)
 
 want_cuda=1
-for a in "$@"; do [ "$a" = "cpu" ] && want_cuda=0; done
+prev=""
+for a in "$@"; do
+  { [ "$a" = "--device=cpu" ] || { [ "$prev" = "--device" ] && [ "$a" = "cpu" ]; }; } && want_cuda=0
+  prev="$a"
+done
 
 probe='import torch, sys; sys.exit(0 if (torch.cuda.is_available() or not int(sys.argv[1])) else 3)'
 PY=""

@@ -67,7 +67,7 @@ class Shapes:
 
 def shapes_for(tiny: bool) -> Shapes:
     if tiny:
-        return Shapes(GPT_TINY, 2, 32, LLAMA_TINY, 1, 32, warmup=1, steps=2, fake_world_size=4)
+        return Shapes(GPT_TINY, 2, 32, LLAMA_TINY, 1, 32, warmup=1, steps=1, fake_world_size=4)
     # 4 x 2048 = 8192 tokens per step: activations of ~14 GB next to 21 GB of model states.
     return Shapes(GPT_FULL, 4, 2048, LLAMA_7B, 1, 512, warmup=3, steps=6, fake_world_size=8)
 
@@ -432,7 +432,7 @@ def part_activations(ctx: Context, record, stages=(2, 3)):
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 engine = zero_strategy.initialize(model, opt, dict(stage=stage, precision="bf16", **extra))
                 losses, times, held = [], [], []
-                for i in range(shapes.warmup + 2):
+                for i in range(shapes.warmup + min(2, shapes.steps)):
                     sync(device)
                     t0 = time.perf_counter()
                     before = allocated_bytes(device)
@@ -496,14 +496,33 @@ def host_bytes_needed(unit_numels: List[int], rounds_pinned: bool) -> int:
 
 def limit_pinned_rounding(device: torch.device) -> bool:
     """Ask torch's pinned-memory allocator not to round blocks above 64 MiB up to a power
-    of two (a 0.8 GB unit would take 1.07 GB). True when the running torch accepted it."""
+    of two (a 0.8 GB unit would take 1.07 GB), then check that it took: torch versions
+    without the option ignore it silently. True when a 100 MiB pinned block costs 100 MiB."""
     if device.type != "cuda":
         return True  # nothing is pinned on CPU
+    import warnings
+
+    setting = "pinned_max_round_threshold_mb:64"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for setter in (getattr(torch._C, "_accelerator_setAllocatorSettings", None),
+                       getattr(torch.cuda.memory, "_set_allocator_settings", None)):
+            if setter is None:
+                continue
+            try:
+                setter(setting)
+                break
+            except Exception:  # noqa: BLE001 - an older torch that refuses the key
+                continue
     try:
-        torch.cuda.memory._set_allocator_settings("pinned_max_round_threshold_mb:64")
-        return True
-    except Exception:  # noqa: BLE001 - an older torch without the option
+        stats = torch.cuda.host_memory_stats
+        before = stats().get("allocated_bytes.current")
+        probe = torch.empty(100 * 2**20 + 4096, dtype=torch.uint8, pin_memory=True)
+        after = stats().get("allocated_bytes.current")
+        del probe
+    except Exception:  # noqa: BLE001 - no host allocator statistics: assume the rounding
         return False
+    return before is not None and after is not None and after - before < 101 * 2**20
 
 
 def llama_layer_numel(cfg) -> int:

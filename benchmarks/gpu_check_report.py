@@ -138,7 +138,9 @@ def _markdown(report):
         + f"; torch {env['torch']} (CUDA {env['torch_cuda']}, NCCL {env.get('nccl', '-')}), transformers "
         f"{env['transformers']}, Python {env['python']}, {env['cpu_count']} CPUs, host MemAvailable "
         f"{_gib(env.get('host_mem_available_bytes'))} GiB."
-        + (" **Tiny shapes (a rehearsal of the code path, not a measurement).**" if report["tiny"] else ""),
+        + (" **Tiny shapes (a rehearsal of the code path, not a measurement).**" if report["tiny"] else "")
+        + (" On CPU the memory figures are resident-set stand-ins (VmRSS / VmHWM), not allocator counts."
+           if report["device"] == "cpu" else ""),
         "",
         f"GPT-2 model: {g['n_layer']} layers × {g['n_embd']} wide, vocab {g['vocab_size']}, batch "
         f"{shapes['batch']} × sequence {shapes['seq']} = {shapes['batch'] * shapes['seq']} tokens per step, "
