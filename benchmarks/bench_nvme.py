@@ -136,6 +136,8 @@ def _spawn(args, name):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        if os.path.exists(store):
+            os.unlink(store)
     return [results[r] for r in range(args.world_size)]
 
 

@@ -171,6 +171,8 @@ class DiskOffload:
         self._dirs: List[Path] = []  # created by us, innermost first
         self.stats = IOStats()
         self._constructed = False  # the engine's first check (after its files were made) passed
+        self._dirty: set = set()  # units written outside step() since the last write-back
+        self._dirty_bytes = 0
         self.directory: Optional[Path] = None
         self.root = Path(root).expanduser()
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -269,6 +271,33 @@ class DiskOffload:
                         disk._fail(e, "release")
         return drop
 
+    def writer(self, unit_index: int) -> Callable[[int], None]:
+        """A callable told the bytes written into a unit's files outside step() (building,
+        loading, deferred initialisation): past ``inflight_bytes`` of them, the units
+        written to are written back and dropped, so a model bigger than memory can be
+        built and loaded (weak, like :meth:`dropper`)."""
+        ref = weakref.ref(self)
+
+        def written(nbytes: int) -> None:
+            disk = ref()
+            if disk is None:
+                return
+            disk._dirty.add(unit_index)
+            disk._dirty_bytes += nbytes
+            if disk._dirty_bytes > disk.inflight_bytes:
+                disk._write_back_dirty()
+        return written
+
+    def _write_back_dirty(self) -> None:
+        dirty, self._dirty, self._dirty_bytes = self._dirty, set(), 0
+        for i in sorted(dirty):
+            for r in self.regions.get(i, ()):
+                try:
+                    r.write_back()
+                except OSError as e:
+                    self._fail(e, "write")
+                    return
+
     # -- agreement -------------------------------------------------------------------------
     def check(self, what: str) -> None:
         """Collective (with world size > 1): raise DiskOffloadError on every rank if any
@@ -298,6 +327,7 @@ class DiskOffload:
 
     def evict_all(self) -> None:
         """Write every file back and drop it from memory (after construction, loads, saves)."""
+        self._dirty, self._dirty_bytes = set(), 0
         for regions in self.regions.values():
             for r in regions:
                 try:

@@ -69,6 +69,7 @@ class FlatUnit:
             master_alloc=disk.allocator(index, "master") if on_disk else None,
             shard_alloc=disk.allocator(index, "param") if to_disk_params else None,
             after_gather=disk.dropper(index, "param") if to_disk_params else None,
+            after_write=disk.writer(index) if on_disk else None,
         )
         self.grads = None
         self.optim_params: List[nn.Parameter] = []

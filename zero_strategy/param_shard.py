@@ -76,6 +76,7 @@ class ParamShard:
         master_alloc: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
         shard_alloc: Optional[Callable[[int, torch.dtype], torch.Tensor]] = None,
         after_gather: Optional[Callable[[], None]] = None,
+        after_write: Optional[Callable[[int], None]] = None,
     ) -> None:
         self.params = list(params)
         self.shapes = [tuple(p.shape) for p in self.params]
@@ -93,6 +94,7 @@ class ParamShard:
             self.master = (master_alloc(n, torch.float32) if master_alloc is not None
                            else torch.zeros(n, dtype=torch.float32, device=master_device, pin_memory=pin))
         self._after_gather = after_gather  # disk offload: drop the file-backed shard's pages again
+        self._after_write = after_write  # disk offload: told how many bytes were written (bounds dirty pages)
         # A partitioned unit whose master sits beside it needs no 16-bit shard: the
         # all-gather input is cast from the master when gathering.  A master on disk is
         # not beside it (reading it each gather would page it in).
@@ -152,6 +154,8 @@ class ParamShard:
             self.shard[a - self.lo : b - self.lo].copy_(piece)
         if self.master is not None:
             self.master[a - self.lo : b - self.lo].copy_(piece)
+        if self._after_write is not None:
+            self._after_write((b - a) * 6)  # fp32 master + a 16-bit shard, at most
 
     def local_values(self) -> torch.Tensor:
         """This rank's slice at its best precision (the master if there is one)."""
@@ -165,6 +169,8 @@ class ParamShard:
             self.master.copy_(values)
         if self.shard is not None:
             self.shard.copy_(values)
+        if self._after_write is not None:
+            self._after_write(values.numel() * 6)
 
     def refresh_compute_copy(self) -> None:
         """After the optimizer updated the master: bring the compute-dtype shard in line
