@@ -282,6 +282,9 @@ def _build_partitioned(klass, name, folder, kwargs):
                 setattr(config, key, kwargs.pop(key))
     if kwargs:
         raise TypeError(f"from_pretrained got arguments that are neither config attributes nor loading options: {sorted(kwargs)}")
+    # As the stock loader: model.name_or_path / config._name_or_path name the source,
+    # which TRL's trainers read to load the tokenizer of a model passed by name.
+    config.name_or_path = name
     if experts is not None:
         config._experts_implementation = experts
     dtype = build_kwargs.pop("dtype", None)

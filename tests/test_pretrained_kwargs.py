@@ -79,6 +79,21 @@ def test_default_keywords_accepted_as_stock_does(checkpoints, with_config):
         model = AutoModelForCausalLM.from_pretrained(checkpoints / "llama", **kwargs)
     assert all(p.is_meta for p in model.parameters())  # partitioned, not the stock fallback
     assert sorted(n for n, _ in model.named_parameters()) == sorted(n for n, _ in stock.named_parameters())
+    assert model.config.to_dict() == stock.config.to_dict()
+
+
+@pytest.mark.parametrize("cls_name", ["AutoModelForCausalLM", "LlamaForCausalLM"])  # TRL calls the concrete class
+def test_config_and_name_or_path_as_stock(checkpoints, cls_name):
+    """TRL loads the tokenizer from ``model.config._name_or_path`` of a model it loaded by name."""
+    import transformers
+
+    cls = getattr(transformers, cls_name)
+    stock = cls.from_pretrained(checkpoints / "llama")
+    with P.partitioned_loading():
+        model = cls.from_pretrained(checkpoints / "llama")
+    assert all(p.is_meta for p in model.parameters())
+    assert model.config.to_dict() == stock.config.to_dict()
+    assert model.name_or_path == stock.name_or_path == str(checkpoints / "llama")
 
 
 @pytest.mark.parametrize("key, value", [
