@@ -91,6 +91,7 @@ def test_generate_runs_kept_gathered_and_the_wrapper_is_transparent():
     # The wrapper keeps what tools read from the method: name, docstring, signature.
     assert model.generate.__name__ == "generate" and model.generate.__doc__ == ref.generate.__doc__
     assert inspect.signature(model.generate) == inspect.signature(ref.generate)
+    assert model.generate.__self__ is model and model.generate.__func__ is type(model).generate
     assert "generate" not in off_model.__dict__
 
     for e, m, gathers in ((engine, model, n), (off, off_model, n * NEW_TOKENS)):

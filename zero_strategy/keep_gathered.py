@@ -121,6 +121,15 @@ class _InRegion:
         with engine.keep_gathered():
             return self.original(*args, **kwargs)
 
+    # Like a bound method's, for code that rebinds one (peft.helpers.update_generate_signature).
+    @property
+    def __func__(self):
+        return self.original.__func__
+
+    @property
+    def __self__(self):
+        return self.original.__self__
+
     def __deepcopy__(self, memo):
         # A deep copy of the model is not this engine's: it gets the method itself,
         # bound to the copy (copy.deepcopy rebinds a bound method to the copied object).
