@@ -217,10 +217,13 @@ def main(argv=None):
 
 
 def write_report(report, out_dir) -> str:
-    import gpu_check_report
+    _write_json(os.path.join(out_dir, "gpu_check.json"), report)  # first: the figures themselves
+    try:
+        import gpu_check_report
 
-    text = gpu_check_report.markdown(report)
-    _write_json(os.path.join(out_dir, "gpu_check.json"), report)
+        text = gpu_check_report.markdown(report)
+    except Exception as exc:  # noqa: BLE001 - the JSON above still holds everything
+        text = f"# GPU check\n\nThe page could not be rendered ({type(exc).__name__}: {exc}); see gpu_check.json.\n"
     with open(os.path.join(out_dir, "gpu_check.md"), "w", encoding="utf-8") as f:
         f.write(text)
     return text

@@ -78,9 +78,9 @@ def activations_table(part):
         none = rows.get(f"stage{r['stage']}_none", {}).get("held_after_forward_bytes")
         saving = "-" if not none else f"{1 - r['held_after_forward_bytes'] / none:.1%}"
         losses = r.get("losses") or []
+        shown = f"{losses[0]:.4f}, {losses[-1]:.4f}" if losses else "-"
         lines.append(f"| {r['stage']} | {r['config']} | {_gib(r['held_after_forward_bytes'])} | {saving} "
-                     f"| {_gib(r['peak_step_bytes'])} | {_num(r['step_s'])} "
-                     f"| {losses[0]:.4f}, {losses[-1]:.4f} |" if losses else "| - |")
+                     f"| {_gib(r['peak_step_bytes'])} | {_num(r['step_s'])} | {shown} |")
     return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "")
 
 
@@ -88,8 +88,8 @@ def offload_section(part):
     lines = []
     m = part.get("model")
     if m:
-        lines.append(f"Llama-shaped, Ψ = {_psi(m['psi'])} ({m['layers']} layers, hidden {m['hidden']}, "
-                     f"intermediate {m['intermediate']}), config `{part.get('config')}`, built in "
+        lines.append(f"Llama-shaped, Ψ = {_psi(m.get('psi'))} ({m.get('layers')} layers, hidden {m.get('hidden')}, "
+                     f"intermediate {m.get('intermediate')}), config `{part.get('config')}`, built in "
                      f"`zero_strategy.init_context()`; `initialize` took {_num(part.get('initialize_s'), '{:.1f}')} s.")
     exp = part.get("expected")
     if exp:
@@ -117,6 +117,17 @@ def offload_section(part):
                          f"| {_gib(s['host_peak_rss_bytes'])} | {_gib(s['host_rss_bytes'])} "
                          f"| {_gib(rep.get('device'))} / {_gib(rep.get('host'))} |")
     return "\n\n".join(lines[:4]) + ("\n" + "\n".join(lines[4:]) if len(lines) > 4 else "")
+
+
+def _safe(render, part):
+    """A rendering bug must not lose the figures: fall back to the part's raw JSON."""
+    try:
+        return render(part)
+    except Exception as exc:  # noqa: BLE001
+        import json
+
+        return (f"(rendering failed: {type(exc).__name__}: {exc}; the raw results follow)\n\n```\n"
+                + json.dumps(part, indent=1, default=str)[:6000] + "\n```")
 
 
 def markdown(report):
@@ -164,25 +175,25 @@ def _markdown(report):
                 "stage; the estimate is `zero_strategy.estimate(...).held_during_step` with this plan's "
                 "units, buckets and gathered blocks. Peak = `torch.cuda.max_memory_allocated` over one step, "
                 "minus what was allocated before the model was built.", ""]
-        out += _errors(p) + [stages_table(p), ""]
+        out += _errors(p) + [_safe(stages_table, p), ""]
     if "memory_at_n" in parts:
         p = parts["memory_at_n"]
         out += [f"## Peak memory of one rank of N = {p.get('world_size', '?')} (fake process group)", "",
                 "The same configurations as rank 0 of torch's fake process group: collectives do nothing, so "
                 "values are meaningless and no time is reported, but every buffer one rank of N would allocate "
                 "is allocated. Here the formula differs by stage.", ""]
-        out += _errors(p) + [stages_table(p, with_time=False), ""]
+        out += _errors(p) + [_safe(lambda q: stages_table(q, with_time=False), p), ""]
     if "activations" in parts:
         p = parts["activations"]
         out += ["## Activation checkpointing and its host offload", "",
                 "Same GPT-2 and batch. *Held after forward*: device memory allocated after forward minus before "
                 "it (what waits for backward). `checkpointing` = `activation_checkpointing: [auto]` (GPT2Block); "
                 "`+offload` adds `offload_activations: true` (block inputs in pinned host memory).", ""]
-        out += _errors(p) + [activations_table(p), ""]
+        out += _errors(p) + [_safe(activations_table, p), ""]
     if "offload" in parts:
         p = parts["offload"]
         out += ["## Optimizer offload of a ~7B model (`offload_optimizer: cpu`)", ""]
-        out += _errors(p) + [offload_section(p), ""]
+        out += _errors(p) + [_safe(offload_section, p), ""]
     out += ["## Parts", "", "| part | status | seconds |", "|---|---|---|"]
     out += [f"| {k} | {v.get('status', 'ok')}{' (error)' if v.get('error') else ''} | {_num(v.get('part_s'), '{:.0f}')} |"
             for k, v in parts.items()]

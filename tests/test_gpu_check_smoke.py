@@ -119,3 +119,38 @@ def test_gpu_check_script_runs_a_part_in_its_own_process(tmp_path):
     part = report["parts"]["offload"]
     assert part["status"] == "ok" and "error" not in part and len(part["steps"]) == 2
     assert "## Optimizer offload" in proc.stdout
+
+
+def test_a_failing_configuration_or_part_leaves_the_rest_reported(tmp_path, monkeypatch):
+    """One configuration raising (zero1), one whole part raising (offload) and a part with
+    no time left: each is reported as such and everything else still runs."""
+    gpu_check = _gpu_check()
+    import gpu_check_parts
+
+    real = gpu_check_parts.make_system
+
+    def make_system(name, shapes, device):
+        if name == "zero1":
+            raise RuntimeError("injected: CUDA out of memory")
+        return real(name, shapes, device)
+
+    def offload(ctx, record):
+        record("model", {"psi": 1})
+        raise MemoryError("injected: host memory")
+
+    monkeypatch.setattr(gpu_check_parts, "make_system", make_system)
+    monkeypatch.setitem(gpu_check_parts.PARTS, "offload", offload)
+    out = tmp_path / "out"
+    gpu_check.main(["--device", "cpu", "--tiny", "--no-isolate", "--parts", "memory_at_n,offload", "--out", str(out)])
+    parts = json.loads((out / "gpu_check.json").read_text())["parts"]
+    at_n = parts["memory_at_n"]
+    assert "injected: CUDA out of memory" in at_n["zero1"]["error"]
+    for name in ("zero0", "zero2", "zero3", "zero3_thr0"):
+        assert "error" not in at_n[name] and at_n[name]["model_state_bytes"] > 0, name
+    assert "injected: host memory" in parts["offload"]["error"] and parts["offload"]["model"] == {"psi": 1}
+    page = (out / "gpu_check.md").read_text()
+    assert "zero1: RuntimeError: injected" in page and "MemoryError: injected" in page
+
+    gpu_check.main(["--device", "cpu", "--tiny", "--no-isolate", "--budget", "0", "--out", str(out)])
+    parts = json.loads((out / "gpu_check.json").read_text())["parts"]
+    assert all(p["status"].startswith("not run") for p in parts.values()) and len(parts) == 4
