@@ -6,7 +6,10 @@ frozen reference with ``prepare(ref)`` and a second one with
 ``prepare_model(ref, evaluation_mode=True)``, and trains the policy on a loss that uses
 both references' outputs, with accumulation, clipping and a save_state / load_state
 round trip.  Launched with the real ``accelerate launch`` on 2 CPU processes (machinery
-of tests/test_accelerate.py) at stage 2 and at stage 3 with every parameter partitioned.
+of tests/test_accelerate.py) at stage 2 and at stage 3 with every parameter partitioned
+and ``zero3_init_flag`` (all three models are loaded unallocated by ``from_pretrained``
+and filled from their files at prepare; stage 3 without the flag is covered with TRL's
+reference model in tests/test_trl_dpo.py).
 References: the same script under a plain DDP config (per-step losses and final policy
 weights, fp32, to 1e-5), the uninterrupted run (the resumed steps), and a plain copy of
 the reference model that was never prepared (its outputs and consolidated weights).
@@ -19,14 +22,19 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from test_accelerate import Launcher  # noqa: E402
+from accelerate_multi_model_script import save_models  # noqa: E402
+from test_accelerate import Launcher, _write_config  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("accelerate_multi_model_script.py")
 
 
 @pytest.fixture(scope="module")
 def launcher(tmp_path_factory):
-    return Launcher(tmp_path_factory.mktemp("multi_model"))
+    launcher = Launcher(tmp_path_factory.mktemp("multi_model"))
+    launcher.configs["zero3_init"] = _write_config(launcher.root / "zero3_init.yaml", 3, "  zero3_init_flag: true\n")
+    launcher.models = [str(launcher.root / "policy_model"), str(launcher.root / "ref_model")]
+    save_models(*launcher.models)
+    return launcher
 
 
 def _run(launcher, config):
@@ -34,16 +42,21 @@ def _run(launcher, config):
     out = folder / "out.json"
     if not out.exists():
         folder.mkdir(exist_ok=True)
-        launcher.run(launcher.command(config, SCRIPT, [str(out)]), reference_output=out if config == "ddp" else None)
+        launcher.run(launcher.command(config, SCRIPT, [str(out), *launcher.models]),
+                     reference_output=out if config == "ddp" else None)
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_policy_with_frozen_references_matches_ddp(launcher, stage):
+@pytest.mark.parametrize("config", ["zero2", "zero3_init"])
+def test_policy_with_frozen_references_matches_ddp(launcher, config):
     ref = _run(launcher, "ddp")
-    got = _run(launcher, f"zero{stage}")
+    got = _run(launcher, config)
     assert ref["accelerator_class"] == "Accelerator" and got["accelerator_class"] == "ZeroAccelerator"
+    assert ref["unallocated_before_prepare"] == [False] * 3
+    # evaluated before training (an evaluation engine, then the training engine took the model over)
+    assert abs(got["policy_probe_sum_before_training"] - ref["policy_probe_sum_before_training"]) <= 1e-4
+    assert got["unallocated_before_prepare"] == [config == "zero3_init"] * 3
     assert len(got["losses"]) == len(ref["losses"]) == 12
     for a, b in zip(got["losses"], ref["losses"]):
         assert abs(a - b) <= 1e-5, (got["losses"], ref["losses"])

@@ -182,12 +182,16 @@ class ZeroAccelerator(Accelerator):
             )
         model, placement = owner
         running = self.zero_engine_for(model)
-        if running is not None:
-            what = "with another optimizer" if running.optimizer is not None else "for evaluation (without an optimizer)"
+        if running is not None and running.optimizer is None:
+            # Prepared for evaluation first (the Trainer's evaluate() before train() does
+            # this): the evaluation engine hands the model back whole, in its own dtypes,
+            # and the training engine takes it from there.
+            running.close(unshard=True)
+        elif running is not None:
             raise ValueError(
-                f"zero_config: this {type(model).__name__} already runs on a ZeroEngine {what}; one engine per model: "
-                "give one optimizer all of its parameters (several param groups), in the prepare call that first "
-                "passes the model"
+                f"zero_config: this {type(model).__name__} already runs on a ZeroEngine with another optimizer; one "
+                "engine per model: give one optimizer all of its parameters (several param groups), in the prepare "
+                "call that first passes the model"
             )
         self._zero_build(model, optimizer, placement)
         guard = self._zero_guards.pop(id(model), None)
