@@ -306,7 +306,7 @@ class DiskOffload:
         ws = self.comm.world_size
         failed = [0] if error is not None else []
         if ws > 1:
-            flags = torch.zeros(ws, dtype=torch.int64)
+            flags = torch.zeros(ws, dtype=torch.int64, device=self.comm._control_device())  # NCCL: on the GPU
             flags[self.comm.rank] = int(error is not None)
             self.comm.control_all_reduce(flags, "max", label=f"{what}: agreeing on disk offload")
             failed = [r for r, v in enumerate(flags.tolist()) if v]
@@ -342,11 +342,7 @@ class DiskOffload:
         if self.error is not None:
             return
         n = unit.layout.shard_numel
-        flats: Dict[tuple, torch.Tensor] = {}
-        for regions in [self.regions.get(unit.index, [])]:
-            for r in regions:
-                if r.kind == "state":
-                    flats[r.path.name] = r.tensor
+        flats: Dict[str, torch.Tensor] = {r.path.name: r.tensor for r in self.regions.get(unit.index, ()) if r.kind == "state"}
         for t, (_, s_start, length) in zip(unit.optim_params, unit.optim_slices):
             state = optimizer.state.get(t)
             if not state:
