@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="passes over the stage systems (A B ... then reversed)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak for MFU (default 989: H200/H100 SXM; H200 NVL: 835)")
+    p.add_argument("--models", choices=("auto", "transformers", "builtin"), default="auto",
+                   help="transformers' GPT-2 / Llama (auto: when installed) or the pure-torch stand-ins")
     p.add_argument("--tests-log", help="pytest output of tests/test_gpu.py (from gpu_check.sh)")
     p.add_argument("--tests-rc", help="its exit status")
     # Internal: one part in this process (what the isolating parent runs).
@@ -72,7 +74,7 @@ def resolve_device(args):
 def make_context(args, deadline):
     import gpu_check_parts as parts
 
-    ctx = parts.Context(resolve_device(args), parts.shapes_for(args.tiny), deadline, repeats=args.repeats)
+    ctx = parts.Context(resolve_device(args), parts.shapes_for(args.tiny, args.models), deadline, repeats=args.repeats)
     if args.peak_tflops:
         ctx.peak_flops = args.peak_tflops * 1e12
     return ctx
@@ -123,7 +125,7 @@ def run_part_isolated(args, name, limit_s, out_dir):
     # Stop starting new configurations 15 s before the hard limit (model builds take that).
     deadline = time.time() + max(5.0, limit_s - 15)
     cmd = [sys.executable, os.path.abspath(__file__), "--part", name, "--result", result, "--deadline", str(deadline),
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats), "--models", args.models]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--device", args.device] if args.device else []
     cmd += ["--peak-tflops", str(args.peak_tflops)] if args.peak_tflops else []
@@ -189,6 +191,9 @@ def main(argv=None):
     report["device"] = str(ctx_preview.device)
     report["peak_flops"] = ctx_preview.peak_flops
     report["shapes"] = vars(ctx_preview.shapes)
+    import gpu_check_models
+
+    report["models"] = gpu_check_models.implementation_name(args.models)
     report["tests"] = tests_summary(args)
     limits = TINY_LIMITS if args.tiny else PART_LIMITS
     order = [p for p in parts.PART_ORDER if p in args.parts]

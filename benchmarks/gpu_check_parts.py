@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_check_models  # noqa: E402
 from systems import malloc_trim, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 GIB = 2**30
@@ -63,13 +64,14 @@ class Shapes:
     warmup: int
     steps: int
     fake_world_size: int
+    models: str = "auto"  # gpu_check_models: transformers when installed, else the built-in stand-ins
 
 
-def shapes_for(tiny: bool) -> Shapes:
+def shapes_for(tiny: bool, models: str = "auto") -> Shapes:
     if tiny:
-        return Shapes(GPT_TINY, 2, 32, LLAMA_TINY, 1, 32, warmup=1, steps=1, fake_world_size=4)
+        return Shapes(GPT_TINY, 2, 32, LLAMA_TINY, 1, 32, warmup=1, steps=1, fake_world_size=4, models=models)
     # 4 x 2048 = 8192 tokens per step: activations of ~14 GB next to 21 GB of model states.
-    return Shapes(GPT_FULL, 4, 2048, LLAMA_7B, 1, 512, warmup=3, steps=6, fake_world_size=8)
+    return Shapes(GPT_FULL, 4, 2048, LLAMA_7B, 1, 512, warmup=3, steps=6, fake_world_size=8, models=models)
 
 
 @dataclass
@@ -170,13 +172,9 @@ def error_text(exc: BaseException) -> str:
 def gpt_model(shapes: Shapes, device: torch.device):
     """GPT-2 (tied embedding, no dropout, SDPA attention) built from a config on ``device``
     from seed 0, so every system starts from the same weights."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(**shapes.gpt, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                     attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
-        return GPT2LMHeadModel(cfg)
+        return gpu_check_models.gpt2(shapes.gpt, shapes.models)
 
 
 def numel(model) -> int:
@@ -533,12 +531,11 @@ def llama_layer_numel(cfg) -> int:
 
 def part_offload(ctx: Context, record):
     import zero_strategy
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     shapes, device = ctx.shapes, ctx.device
     rounding_limited = limit_pinned_rounding(device)
     record("pinned_rounding_limited", rounding_limited)
-    cfg = LlamaConfig(**shapes.llama, tie_word_embeddings=False, use_cache=False)
+    cfg = gpu_check_models.llama_config(shapes.llama, shapes.models)
     layer = llama_layer_numel(cfg)
     root = 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
     avail = mem_available_bytes()
@@ -559,7 +556,7 @@ def part_offload(ctx: Context, record):
         t0 = time.perf_counter()
         # Buffers (rotary frequencies) are built on the device; parameters go to meta.
         with torch.device(device), zero_strategy.init_context():
-            model = LlamaForCausalLM(cfg)
+            model = gpu_check_models.llama(cfg, shapes.models)
         psi = numel(model)
         record("model", dict(psi=psi, layers=layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)

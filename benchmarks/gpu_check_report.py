@@ -153,7 +153,7 @@ def _markdown(report):
         + (" On CPU the memory figures are resident-set stand-ins (VmRSS / VmHWM), not allocator counts."
            if report["device"] == "cpu" else ""),
         "",
-        f"GPT-2 model: {g['n_layer']} layers × {g['n_embd']} wide, vocab {g['vocab_size']}, batch "
+        f"Models: {report.get('models', '-')}. GPT-2 model: {g['n_layer']} layers × {g['n_embd']} wide, vocab {g['vocab_size']}, batch "
         f"{shapes['batch']} × sequence {shapes['seq']} = {shapes['batch'] * shapes['seq']} tokens per step, "
         f"{shapes['warmup']} warm-up + {shapes['steps']} timed steps per pass. MFU = 6 · Ψ · tokens / step time / "
         f"{report['peak_flops'] / 1e12:.0f} TFLOPS (dense bf16 peak used; H200/H100 SXM = 989); the second MFU "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
@@ -154,3 +155,40 @@ def test_a_failing_configuration_or_part_leaves_the_rest_reported(tmp_path, monk
     gpu_check.main(["--device", "cpu", "--tiny", "--no-isolate", "--budget", "0", "--out", str(out)])
     parts = json.loads((out / "gpu_check.json").read_text())["parts"]
     assert all(p["status"].startswith("not run") for p in parts.values()) and len(parts) == 4
+
+
+def test_builtin_models_stand_in_for_transformers(tmp_path):
+    """Where the GPU machine's Python lacks transformers, the check uses pure-torch models
+    with the same parameter shapes: counts equal transformers' own models, and the check runs
+    (stage systems against plain PyTorch, optimizer offload of the deferred-init Llama)."""
+    gpu_check = _gpu_check()
+    import gpu_check_models as models
+    import gpu_check_parts as parts
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    def shapes_of(model):
+        # Transpose-blind: GPT-2's Conv1D stores its weight as (in, out), nn.Linear as (out, in).
+        return sorted(tuple(sorted(p.shape)) for p in model.parameters())
+
+    gpt = dict(parts.GPT_TINY)
+    assert shapes_of(models.GPT(**gpt)) == shapes_of(GPT2LMHeadModel(GPT2Config(**gpt)))
+    for kv_heads in (4, 2):  # and grouped-query attention, as the 70B's
+        llama = dict(parts.LLAMA_TINY, num_key_value_heads=kv_heads)
+        ours = models.Llama(models.llama_config(llama, "builtin"))
+        assert shapes_of(ours) == shapes_of(LlamaForCausalLM(LlamaConfig(**llama, tie_word_embeddings=False)))
+        ids = torch.randint(0, llama["vocab_size"], (2, 16))
+        ours(input_ids=ids, labels=ids).loss.backward()
+
+    out = tmp_path / "out"
+    gpu_check.main(["--device", "cpu", "--tiny", "--no-isolate", "--repeats", "1", "--models", "builtin",
+                    "--parts", "stages,offload", "--out", str(out)])
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["models"].startswith("built-in")
+    stages = report["parts"]["stages"]
+    for name in ("torch_amp", "zero0", "zero2", "zero3_thr0"):
+        assert "error" not in stages[name], stages[name]["error"]
+        assert stages[name]["psi"] == _gpt2_params(**report["shapes"]["gpt"])
+        assert max(abs(a - b) for a, b in zip(stages[name]["losses"], stages["torch_amp"]["losses"])) < 2e-3, name
+    off = report["parts"]["offload"]
+    assert "error" not in off, off.get("error")
+    assert off["model"]["psi"] == _llama_params(**report["shapes"]["llama"]) and len(off["steps"]) == 2
