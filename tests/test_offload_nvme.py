@@ -317,3 +317,23 @@ def test_lightning_names_take_the_path_from_the_environment(tmp_path, monkeypatc
     for name, param in (("zero2_offload_nvme", "none"), ("zero3_offload_nvme", "nvme")):
         cfg = L.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False).strategy.config
         assert (cfg.offload_optimizer, cfg.offload_param, cfg.nvme_path) == ("nvme", param, str(tmp_path))
+
+
+def test_memory_report_counts_the_16_bit_shards_on_disk(tmp_path):
+    """offload_param: the 16-bit shards are file-backed: the report moves them to ``disk``
+    (against the files' own sizes)."""
+    reports = {}
+    for param in ("none", "nvme"):
+        model, opt = _tiny()
+        engine = zero_strategy.initialize(model, opt, dict(stage=3, precision="bf16", param_persistence_threshold=0,
+                                                           offload_optimizer="nvme", offload_param=param,
+                                                           nvme_path=str(tmp_path)))
+        _train_steps(engine, model, 1)
+        (mine,) = list(tmp_path.iterdir())
+        shard_files = sum(p.stat().st_size for p in mine.iterdir() if ".param." in p.name)
+        reports[param] = (engine.memory_report(), shard_files)
+        engine.close()
+    (plain, none_files), (on_disk, shard_files) = reports["none"], reports["nvme"]
+    assert none_files == 0 and shard_files > 0
+    assert on_disk["disk"] - plain["disk"] == shard_files
+    assert plain["device"] - on_disk["device"] == shard_files and on_disk["total"] == plain["total"]

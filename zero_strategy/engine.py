@@ -659,8 +659,9 @@ class ZeroEngine:
         report = {"parameters": 0, "gradients": 0, "master_weights": 0, "optimizer_state": 0, "communication_buffers": 0, "offloaded": 0}
         for u in self.units:
             parts = dict(u.params_store.bytes())
-            if u.grads is not None:
-                parts.update(u.grads.bytes())
+            if u.grads is not None:  # summed: both may hold offloaded bytes (disk offload's shard)
+                for k, v in u.grads.bytes().items():
+                    parts[k] = parts.get(k, 0) + v
             if self.policies.offload.offloads_optimizer:
                 parts["offloaded"] = parts.get("offloaded", 0) + parts["master_weights"]
             for k, v in parts.items():

@@ -108,6 +108,7 @@ class ParamShard:
             self.shard: Optional[torch.Tensor] = self.full[self.lo : self.hi]
         else:
             self.shard = None
+            self._shard_on_disk = keeps_compute_shard and shard_alloc is not None
             if keeps_compute_shard:
                 self.shard = shard_alloc(n, compute_dtype) if shard_alloc is not None else torch.zeros(n, dtype=compute_dtype, device=device)
         self.state = ShardState.GATHERED
@@ -234,9 +235,14 @@ class ParamShard:
         self.state = ShardState.SHARDED
 
     # -- accounting ------------------------------------------------------------------------------
+    _shard_on_disk = False  # disk offload's offload_param: the 16-bit shard is file-backed
+
     def bytes(self) -> dict:
         params = _nbytes(self.full) + (0 if self.whole else _nbytes(self.shard))
-        return {"parameters": params, "master_weights": _nbytes(self.master)}
+        parts = {"parameters": params, "master_weights": _nbytes(self.master)}
+        if self._shard_on_disk:
+            parts["offloaded"] = _nbytes(self.shard)  # counted in ``parameters``, kept in a file
+        return parts
 
 
 def whole_values(shard: ParamShard, comm, label: str) -> torch.Tensor:
