@@ -42,7 +42,7 @@ def stages_table(part, with_time=True):
     head += ["peak device GiB", "model states GiB", "paper's formula GiB", "estimate, this implementation GiB",
              "peak − estimate GiB (activations, temporaries)"]
     if with_time:
-        head += ["max |Δloss| vs torch_amp"]
+        head += ["max abs Δloss vs torch_amp"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
     for name, r in _rows(part):
@@ -166,7 +166,8 @@ def _markdown(report):
     parts = report["parts"]
     if "stages" in parts:
         p = parts["stages"]
-        out += ["## Step time, MFU and peak memory per stage (world size 1, NCCL)", "",
+        backend = "gloo" if report["device"] == "cpu" else "NCCL"
+        out += [f"## Step time, MFU and peak memory per stage (world size 1, {backend})", "",
                 "`torch_amp`: plain PyTorch, fp32 parameters + `torch.autocast(bfloat16)` + `torch.optim.AdamW` "
                 "(the same arithmetic as ZeRO bf16: bf16 compute, fp32 master and Adam state) - the fair baseline "
                 "for the hook overhead. `torch_bf16`: bf16 parameters and AdamW on them (no master copy), a lower "
