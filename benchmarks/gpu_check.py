@@ -166,7 +166,8 @@ def environment(args):
         env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, gpu_count=torch.cuda.device_count(),
                    capability=f"{props.major}.{props.minor}")
         try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            v = torch.cuda.nccl.version()  # a tuple, or one integer (2.18.3 = 21803) in older torch
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         except Exception as exc:  # noqa: BLE001
             env["nccl"] = f"unknown ({exc})"
     import gpu_check_parts as parts

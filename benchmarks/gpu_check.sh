@@ -52,8 +52,9 @@ print(f"python {platform.python_version()}; torch {torch.__version__}, built for
       f"cuda available {torch.cuda.is_available()}, devices {torch.cuda.device_count()}")
 if torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
+    v = torch.cuda.nccl.version()
     print(f"device 0: {p.name}, {p.total_memory / 2**30:.1f} GiB, capability {p.major}.{p.minor}; "
-          f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+          f"NCCL {'.'.join(map(str, v)) if isinstance(v, tuple) else v}")
 for mod in ("transformers", "yaml", "safetensors", "pytest", "zero_strategy"):
     try:
         m = importlib.import_module(mod)
