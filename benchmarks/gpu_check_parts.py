@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -379,7 +379,7 @@ def part_stages(ctx: Context, record, systems=STAGE_SYSTEMS, world_size: int = 1
                 if system is not None:
                     with contextlib.suppress(Exception):
                         system.close()
-                del system
+                system = None
                 release_memory(device)
             record(name, row)
         pass_s = time.time() - t_pass
@@ -423,7 +423,7 @@ def part_activations(ctx: Context, record, stages=(2, 3)):
                 row["error"] = "skipped: time budget"
                 record(key, row)
                 continue
-            model = engine = None
+            model = engine = opt = None
             try:
                 release_memory(device)
                 model = gpt_model(shapes, device)
@@ -460,7 +460,8 @@ def part_activations(ctx: Context, record, stages=(2, 3)):
                 if engine is not None:
                     with contextlib.suppress(Exception):
                         engine.close()
-                del engine, model
+                # Drop every reference (the optimizer holds the fp32 shards) before the next build.
+                model = engine = opt = None
                 release_memory(device)
             record(key, row)
 
