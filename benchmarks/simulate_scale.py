@@ -118,7 +118,7 @@ DESCRIPTION = (
     "Stage 3 sits slightly above that estimate because parameters under `param_persistence_threshold` "
     "(the RMSNorm weights) stay whole on every rank. *stage-3 gathers*: the gather groups the planner "
     "chose: one per `LlamaDecoderLayer` (the class the model declares in `_no_split_modules`), plus the "
-    "root for the embedding, final norm and head; every layer holds far more than `min_gather_numel` "
+    "root for the embedding and the head (the norms, under the threshold, stay whole); every layer holds far more than `min_gather_numel` "
     "(1M elements), so none is merged. *disk offload* = `zero_strategy.estimate.disk_offload_estimate` "
     "(`offload_optimizer: nvme`, and at stage 3 `offload_param: nvme` too; the default 256 MiB "
     "`nvme_inflight_bytes`): RAM per rank between backward and step, and bytes in the per-rank files. It "
