@@ -148,6 +148,23 @@ def test_generate_runs_kept_gathered_and_the_wrapper_is_transparent():
         assert held
 
 
+def test_generate_of_a_submodule_is_wrapped_too():
+    """A LightningModule holding a transformers model calls ``self.model.generate``."""
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.llm = tiny_llama()
+
+    ref, holder = tiny_llama(), Holder()
+    engine = stage3(holder)
+    engine.reset_comm_report()
+    assert torch.equal(greedy(holder.llm, prompts()), greedy(ref, prompts()))
+    assert engine.comm_report()["all_gather"].calls == partitioned_units(engine)  # once per unit, not per token
+    engine.close()
+    assert "generate" not in holder.llm.__dict__
+
+
 def test_a_name_that_is_not_a_method_is_refused_before_anything_is_installed():
     import zero_strategy
 
