@@ -26,7 +26,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
 # Seconds per part with full shapes: (most it may take, least kept free for it while the
-# parts before it run). On one H200 the whole check needs about 5-6 minutes.
+# parts before it run). Estimated, not yet measured: 5-6 minutes in all on one H200.
 PART_LIMITS = {"stages": (170, 60), "activations": (80, 30), "memory_at_n": (60, 20), "offload": (240, 90)}
 TINY_LIMITS = {name: (120, 10) for name in PART_LIMITS}
 GIB = 2**30
