@@ -97,6 +97,10 @@ def run_part_here(args, name, deadline, result_path=None):
         data[key] = value
         if result_path:
             _write_json(result_path, data)
+        # One line per result in the part's log: where the time went, what failed.
+        brief = {k: v for k, v in value.items() if k in ("step_s", "peak_bytes", "error", "step")} \
+            if isinstance(value, dict) else value
+        sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {name}.{key}: {str(brief)[:300]}\n")
 
     t0 = time.time()
     import torch

@@ -44,8 +44,9 @@ def gpt2(gpt: dict, choice: str = "auto") -> nn.Module:
     if use_transformers(choice):
         from transformers import GPT2Config, GPT2LMHeadModel
 
+        # No special tokens: nothing is generated, and GPT-2's 50256 lies outside a tiny vocabulary.
         cfg = GPT2Config(**gpt, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                         attn_implementation="sdpa")
+                         attn_implementation="sdpa", bos_token_id=None, eos_token_id=None)
         return GPT2LMHeadModel(cfg)
     return GPT(**gpt)
 
