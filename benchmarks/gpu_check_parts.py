@@ -493,6 +493,13 @@ def host_bytes_needed(unit_numels: List[int], rounds_pinned: bool) -> int:
     return sum(2 * pinned(4 * n) + 8 * n for n in unit_numels)
 
 
+def layers_that_fit(layer_numel: int, root_numel: int, layers: int, budget: int, rounds_pinned: bool) -> int:
+    """The most layers (at least 1, at most ``layers``) whose host memory fits ``budget``."""
+    while layers > 1 and host_bytes_needed([layer_numel] * layers + [root_numel], rounds_pinned) > budget:
+        layers -= 1
+    return layers
+
+
 def limit_pinned_rounding(device: torch.device) -> bool:
     """Ask torch's pinned-memory allocator not to round blocks above 64 MiB up to a power
     of two (a 0.8 GB unit would take 1.07 GB), then check that it took: torch versions
@@ -543,8 +550,7 @@ def part_offload(ctx: Context, record):
     layers = cfg.num_hidden_layers
     reserve = 8 * GIB  # CUDA context, interpreter, transformers, pageable staging
     if avail is not None and device.type == "cuda":
-        while layers > 1 and host_bytes_needed([layer] * layers + [root], not rounding_limited) + reserve > avail:
-            layers -= 1
+        layers = layers_that_fit(layer, root, layers, avail - reserve, not rounding_limited)
     record("host_mem_available_bytes", avail)
     record("host_bytes_needed", host_bytes_needed([layer] * layers + [root], not rounding_limited))
     if layers != cfg.num_hidden_layers:

@@ -192,3 +192,26 @@ def test_builtin_models_stand_in_for_transformers(tmp_path):
     off = report["parts"]["offload"]
     assert "error" not in off, off.get("error")
     assert off["model"]["psi"] == _llama_params(**report["shapes"]["llama"]) and len(off["steps"]) == 2
+
+
+def test_offload_host_memory_plan_for_the_7b():
+    """The 7B part's host-memory plan: 16Ψ without the pinned allocator's rounding (fp32
+    master + fp32 gradient shard + Adam's moments, docs/bigger-models.md), more with it, and
+    the layer count shrinks to what fits."""
+    _gpu_check()
+    import gpu_check_parts as parts
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**parts.LLAMA_7B)
+    layer, root = parts.llama_layer_numel(cfg), 2 * cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    psi = _llama_params(**parts.LLAMA_7B)
+    assert 32 * layer + root == psi
+    units = [layer] * 32 + [root]
+    assert parts.host_bytes_needed(units, rounds_pinned=False) == 16 * psi
+    # Rounded: every unit's two 4n-byte pinned blocks (0.81 GB a layer, 1.05 GB the embedding
+    # and head) become 2^30 bytes each.
+    assert parts.host_bytes_needed(units, rounds_pinned=True) == 33 * 2 * 2**30 + 8 * psi
+    assert parts.layers_that_fit(layer, root, 32, 16 * psi, rounds_pinned=False) == 32
+    assert parts.layers_that_fit(layer, root, 32, 16 * psi - 1, rounds_pinned=False) == 31
+    assert parts.layers_that_fit(layer, root, 32, 16 * psi, rounds_pinned=True) < 32
+    assert parts.layers_that_fit(layer, root, 32, 0, rounds_pinned=False) == 1
