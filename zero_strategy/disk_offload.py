@@ -47,6 +47,7 @@ import secrets
 import socket
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -207,6 +208,8 @@ class DiskOffload:
         if not os.access(root, os.W_OK | os.X_OK):
             raise DiskOffloadError(f"nvme_path {str(root)!r} is not writable by this process: choose a directory "
                                    "it may write to, or fix the permissions")
+        if rank == 0:
+            _warn_about_leftovers(root)
         name = f"zero_offload-rank{rank}-{os.getpid()}-{secrets.token_hex(4)}"
         d = root / name
         d.mkdir(mode=0o700)
@@ -491,6 +494,25 @@ class StepIO:
         s.steps += 1
         s.last_step = {"bytes_read": self._read, "bytes_written": self._written, "wait_seconds": self._wait}
         self.disk.check("the optimizer step (disk offload)")
+
+
+def _warn_about_leftovers(root: Path) -> None:
+    """Say (never delete) when an offload directory of a process that is gone from this
+    host sits in ``root``: a killed run's files, still taking disk space."""
+    host = socket.gethostname()
+    for marker in root.glob(f"zero_offload-rank*/{MARKER}"):
+        try:
+            info = json.loads(marker.read_text())
+            if info.get("host") != host:
+                continue
+            os.kill(int(info["pid"]), 0)
+        except ProcessLookupError:
+            size = sum(p.stat().st_size for p in marker.parent.iterdir() if p.is_file())
+            warnings.warn(f"{marker.parent} holds the disk-offload files of a process that no longer runs (pid "
+                          f"{info['pid']}, {size / 2**20:,.0f} MiB); it was not removed (a killed run leaves its "
+                          "files): delete it when no job uses it", stacklevel=4)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable, or a live process of someone else's: none of our business
 
 
 def _describe(exc: BaseException) -> str:
