@@ -159,6 +159,43 @@ def _write_config(path: Path, stage=None, extra: str = "") -> Path:
     return path
 
 
+_HUNG_AT_EXIT = -999
+EXIT_GRACE = 30  # seconds a reference launch gets to exit once its last output exists
+
+
+def _run_reference(cmd, env, cwd, output: Path) -> subprocess.CompletedProcess:
+    """A plain DDP reference launch. After the script has finished, a process can hang in
+    interpreter shutdown: DDP's Reducer, freed last, destroys its gloo process group,
+    whose destructor joins worker threads that never return (seen with TRL's sft.py,
+    which destroys the default group in trainer.end(), under load). Once ``output`` (the
+    script's last file) exists and the launch has not exited EXIT_GRACE seconds later,
+    it is ended and reported with returncode _HUNG_AT_EXIT; a launch that hangs before
+    writing it still fails at TIMEOUT."""
+    import signal
+    import time
+
+    start = time.monotonic()
+    seen = None
+    with subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as p:
+        while True:
+            try:
+                out, err = p.communicate(timeout=2)
+                return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if seen is None and output.exists():
+                    seen = now
+                hung = seen is not None and now - seen > EXIT_GRACE
+                if hung or now - start > TIMEOUT:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    out, err = p.communicate()
+                    if not hung:
+                        raise subprocess.TimeoutExpired(cmd, TIMEOUT, out, err)
+                    note = f"\n[test harness] ended {EXIT_GRACE} s after {output.name} was written: hung at exit\n"
+                    return subprocess.CompletedProcess(cmd, _HUNG_AT_EXIT, out, err + note)
+
+
 class Launcher:
     """Runs and caches launches; the route is `accelerate launch` with the start-up hook
     when it is installed, else the runner's launch form (same accelerate code path)."""
@@ -179,15 +216,18 @@ class Launcher:
                        "--mixed_precision", mixed_precision, str(script), *args]
 
     def run(self, cmd, env=None, expect_ok=True, reference_output=None):
-        proc = subprocess.run(cmd, env=env or self.env, cwd=self.root, capture_output=True, text=True, timeout=TIMEOUT)
+        if reference_output is None:
+            proc = subprocess.run(cmd, env=env or self.env, cwd=self.root, capture_output=True, text=True, timeout=TIMEOUT)
+        else:
+            proc = _run_reference(cmd, env or self.env, self.root, reference_output)
         self.launches += 1  # kept for post-mortems
         (self.root / f"launch{self.launches:02d}.log").write_text(f"{cmd}\n{proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         if reference_output is not None and proc.returncode != 0 and reference_output.exists() \
-                and "terminate called without an active exception" in proc.stderr:
+                and ("terminate called without an active exception" in proc.stderr or proc.returncode == _HUNG_AT_EXIT):
             # Plain DDP reference runs only: torch's gloo worker threads can abort the
             # process at interpreter exit, after the script finished (seen in about one
-            # Trainer run in 30).  ZeroAccelerator prevents this for ZeRO runs, which get
-            # no such allowance.
+            # Trainer run in 30), or hang there (see _run_reference).  ZeroAccelerator
+            # prevents both for ZeRO runs, which get no such allowance.
             return proc
         if expect_ok and proc.returncode != 0:
             raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
