@@ -36,7 +36,7 @@ class FakeComm:
         full_out.copy_(torch.cat([t.to(full_out.dtype) for t in parts]))
         return _Done()
 
-    def reduce_scatter(self, out, full, async_op=True, label=""):
+    def reduce_scatter(self, out, full, async_op=True, label="", scratch=False):
         self.calls.append(("reduce_scatter", label, full.numel()))
         n = out.numel()
         out.copy_(full[self.rank * n : (self.rank + 1) * n] * self.world_size)  # identical peers

@@ -206,3 +206,45 @@ def test_7b_llama_at_1024_ranks_on_fake_process_group(fake_world, precision):
             # Stage 3 at N=1024: ~0.1 GB per rank for a 7B model (the paper's 16Ψ/N).
             assert got < 0.11e9 * (2 if precision == "fp32" else 1)
         engine.close()
+
+
+def _scratch_reduce_worker(rank, ws):
+    from zero_strategy import collectives as C
+
+    seen = []
+    original = dist.all_reduce
+
+    def spy(t, *args, **kwargs):
+        seen.append(t.untyped_storage().data_ptr())
+        return original(t, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        out = {}
+        for scratch, room in ((True, C.HEADER_ROOM), (True, 0), (False, C.HEADER_ROOM)):
+            n = 8 * ws
+            backing = torch.zeros(n + room)
+            inp = backing[:n]
+            inp.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
+            ptr = inp.untyped_storage().data_ptr()
+            shard = torch.empty(n // ws)
+            ident = C.Identity.of(0, len(seen), "reduce_scatter for a test", inp.dtype, n)
+            pending = C.reduce_scatter(shard, inp, None, ws, ident, via_all_reduce=True, inp_is_scratch=scratch)
+            pending.work.wait()
+            assert pending.finish() is None  # the summed headers agree
+            want = (torch.arange(n, dtype=torch.float32) * sum(r + 1 for r in range(ws))).chunk(ws)[rank]
+            out[(scratch, room)] = (torch.equal(shard, want), seen[-1] == ptr)
+        return out
+    finally:
+        dist.all_reduce = original
+
+
+@pytest.mark.slow
+def test_gloo_reduce_scatter_runs_in_place_on_a_scratch_bucket_with_header_room():
+    """Stage 2-3 gradient buckets are dropped once reduced and keep room for the gloo
+    path's header, so the all-reduce standing in for reduce-scatter runs on the bucket
+    itself (no second unit-sized buffer); otherwise on a copy. Both give gloo's sum."""
+    for result in run_distributed(_scratch_reduce_worker, 2):
+        assert result[(True, 32)] == (True, True), result
+        assert result[(True, 0)] == (True, False), result
+        assert result[(False, 32)] == (True, False), result

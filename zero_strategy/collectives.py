@@ -46,6 +46,9 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 HEADER_BYTES = 16  # two int64: the identity of the call and (step, call number)
 DIGEST_BITS = 32  # elements of a summed header
+# Elements a scratch reduce-scatter input may reserve after itself, so the gloo path's
+# all-reduce can append its header in place (reduce_scatter, inp_is_scratch).
+HEADER_ROOM = DIGEST_BITS
 
 # The largest N for which sums of N zeros and ones are exact in the dtype.
 _EXACT_COUNT = {
@@ -218,14 +221,17 @@ def _check_sums(got: torch.Tensor, expected: torch.Tensor, ident: Identity, worl
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity],
-                   via_all_reduce: bool = False) -> Pending:
+                   via_all_reduce: bool = False, inp_is_scratch: bool = False) -> Pending:
     """Sum ``inp`` over ranks; this rank receives its equal slice in ``out``.
 
     ``via_all_reduce`` (gloo): gloo's reduce-scatter does its work inside ``wait()``
     (``is_completed()`` stays False until then), so no deadline can bound it; it is
     carried out as an all-reduce of a copy of ``inp``, of which this rank keeps its
     slice, with the summed header at the end (measured: the same time as gloo's own
-    reduce-scatter, plus the copy)."""
+    reduce-scatter, plus the copy).  When the caller discards ``inp`` afterwards
+    (``inp_is_scratch``) and its storage has room for the header right after it
+    (:data:`HEADER_ROOM` elements, see grad_storage.py), the all-reduce runs in place:
+    no copy, and no second unit-sized buffer."""
     if not via_all_reduce:
         return Pending(reduce_scatter_tensor(out, inp, group=group, async_op=True))
     s = out.numel()
@@ -233,8 +239,12 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int,
     with_header = ident is not None and bitsum_header_fits(inp.dtype, world_size)
     h = DIGEST_BITS if with_header else 0
     n = inp.numel()
-    buf = torch.empty(n + h, dtype=inp.dtype, device=inp.device)
-    buf[:n].copy_(inp.reshape(-1))
+    storage, offset = inp.untyped_storage(), inp.storage_offset()
+    if inp_is_scratch and inp.is_contiguous() and storage.nbytes() >= (offset + n + h) * inp.element_size():
+        buf = inp.new_empty(0).set_(storage, offset, (n + h,))
+    else:
+        buf = torch.empty(n + h, dtype=inp.dtype, device=inp.device)
+        buf[:n].copy_(inp.reshape(-1))
     bits = None
     if with_header:
         bits = _bits(ident.digest(), inp.dtype, inp.device)

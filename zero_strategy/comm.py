@@ -346,14 +346,17 @@ class Communicator:
             timed.wait()
         return timed
 
-    def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, async_op: bool = True, label: str = "gradients"):
-        """Sum ``full_in`` over ranks; this rank receives its equal slice in ``shard_out``."""
+    def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, async_op: bool = True, label: str = "gradients",
+                       scratch: bool = False):
+        """Sum ``full_in`` over ranks; this rank receives its equal slice in ``shard_out``.
+        ``scratch``: the caller discards ``full_in`` afterwards, so it may be overwritten."""
         self._count("reduce_scatter", full_in.numel(), full_in.element_size())
         if self.world_size == 1:
             shard_out.copy_(full_in)
             return _DoneWork()
         position, ident = self._enter("reduce_scatter", label, full_in, full_in.numel())
-        return self._issue(C.reduce_scatter(shard_out, full_in, self.group, self.world_size, ident, via_all_reduce=self._gloo), position, async_op)
+        return self._issue(C.reduce_scatter(shard_out, full_in, self.group, self.world_size, ident, via_all_reduce=self._gloo,
+                                           inp_is_scratch=scratch), position, async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True, label: str = "parameters"):
         """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order)."""

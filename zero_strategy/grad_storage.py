@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
+from .collectives import HEADER_ROOM
 from .layout import FlatLayout
 from .param_shard import _nbytes
 
@@ -38,6 +39,7 @@ from .param_shard import _nbytes
 class _GradStorage:
     collective = "reduce_scatter"
     reduces_unsynced = False
+    reduction_input_is_scratch = False  # True: reduction_input() may be overwritten by the collective
 
     def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, shard_index: int, *,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device) -> None:
@@ -227,6 +229,7 @@ class ShardedGrads(_GradStorage):
     bytes count from backward to step, as in FSDP2)."""
 
     reduces_unsynced = True
+    reduction_input_is_scratch = True  # the full-size bucket is dropped once reduced
 
     def __init__(self, *args, slice_device: Optional[torch.device] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -239,6 +242,12 @@ class ShardedGrads(_GradStorage):
         # (Not on the meta device: planning dry runs report the model states of a step.)
         self._frees_between_steps = not self.offloaded and self.slice.device.type != "meta"
         self._slice_fresh = True
+
+    def _new_full(self) -> torch.Tensor:
+        # Room for a collective header after the gradients: on gloo the reduce-scatter
+        # then runs in place instead of on a copy (collectives.reduce_scatter).
+        room = torch.zeros(self.layout.padded_numel + HEADER_ROOM, dtype=self.compute_dtype, device=self.device)
+        return room[: self.layout.padded_numel]
 
     def accept(self, pos: int) -> None:
         p = self.params[pos]

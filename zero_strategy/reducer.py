@@ -65,7 +65,7 @@ class GradientReducer:
             out = full
         else:
             out = grads.reduction_output()
-            work = self.comm.reduce_scatter(out, full, async_op=True, label=label)
+            work = self.comm.reduce_scatter(out, full, async_op=True, label=label, scratch=grads.reduction_input_is_scratch)
         # Keep ``full`` referenced until the collective has finished with it.
         self._pending.append((unit, work, out, full))
         self._in_flight += full.numel()
