@@ -42,7 +42,10 @@ def _engine(config, seed=0):
     torch.manual_seed(seed)
     model = Blocks()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = dict(stage=3, param_persistence_threshold=0, unit_modules=["Sequential"], collective_timeout=TIMEOUT)
+    # One gather per block (min_gather_numel=0): equal-sized collectives of different
+    # modules are the case the checks must tell apart.
+    cfg = dict(stage=3, param_persistence_threshold=0, unit_modules=["Sequential"], min_gather_numel=0,
+               collective_timeout=TIMEOUT)
     cfg.update(config)
     return model, zero_strategy.initialize(model, opt, cfg)
 

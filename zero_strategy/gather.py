@@ -68,6 +68,7 @@ class ModuleGroup:
         self.pinned = False  # used outside its module: kept gathered (see [Note: on-demand gathers])
         self.held = False  # inside engine.keep_gathered(): not released until the region ends
         self.logged_on_demand = False
+        self.logged_opaque = False
 
     @property
     def gathered(self) -> bool:
@@ -90,6 +91,30 @@ class ModuleGroup:
     def unpin_and_release(self) -> None:
         self.pinned = False
         self.release()
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, type(None))
+
+
+def _grad_tensors(output, depth: int = 0):
+    """Tensors requiring grad in a module's output, and whether some part of it could
+    not be searched.  Containers the pytree knows (tuples, dicts, transformers' model
+    outputs) are flattened; plain objects (SimpleNamespace, a class of one's own) are
+    searched through their attributes, a few levels deep."""
+    found, opaque = [], False
+    for leaf in tree_flatten(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            if leaf.requires_grad and not isinstance(leaf, nn.Parameter):
+                found.append(leaf)
+        elif isinstance(leaf, _PLAIN) or isinstance(leaf, nn.Module):
+            continue
+        elif depth < 3 and hasattr(leaf, "__dict__"):
+            more, hidden = _grad_tensors(list(vars(leaf).values()), depth + 1)
+            found.extend(more)
+            opaque = opaque or hidden
+        else:
+            opaque = True
+    return found, opaque
 
 
 class _PostBackward(torch.autograd.Function):
@@ -191,11 +216,20 @@ class ParameterGatherer:
     def post_forward(self, group: ModuleGroup, output, module: Optional[nn.Module] = None) -> None:
         if self.in_backward:
             return  # recomputation inside backward (activation checkpointing): keep it
+        tensors, opaque = (_grad_tensors(output) if torch.is_grad_enabled() else ([], False))
+        if opaque and not tensors:
+            # Backward may still reach this module through an output we cannot see
+            # into, and no hook would gather it again: keep it gathered until then.
+            group.pinned = True
+            if not group.logged_opaque:
+                group.logged_opaque = True
+                log.warning("zero_strategy: %s returned an object whose tensors cannot be found (not a tensor, "
+                            "container, dataclass or plain object); its parameters stay gathered until the end of "
+                            "backward. Return tensors, tuples, dicts or dataclasses to let it be released.", group.name)
         if module is None or module is group.members[-1]:
             group.active = False
             group.release()
-        if torch.is_grad_enabled():
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
             fired = [False]
 
             def pre_backward_hook(grad, group=group):
