@@ -45,6 +45,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -69,6 +70,10 @@ class DiskOffloadError(RuntimeError):
 
 
 def _libc():
+    # The advice and flag values above are Linux's (macOS's MS_SYNC is another number, and
+    # its 4 discards pages): elsewhere the mapping is left to the kernel entirely.
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         lib = ctypes.CDLL(None, use_errno=True)
         for name in ("madvise", "msync"):
@@ -124,11 +129,12 @@ class Region:
         """Blocking: write dirty pages to the file, then drop them from memory."""
         self._call("msync", _MS_SYNC)
         self.drop()
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        if _LIBC is not None:
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
         return self.nbytes
 
 
@@ -231,8 +237,10 @@ class DiskOffload:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._files.append(path)
         try:
-            if nbytes:
+            if nbytes and hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now, not SIGBUS at a page fault later
+            elif nbytes:
+                os.ftruncate(fd, nbytes)  # no fallocate here (macOS): a sparse file
         finally:
             os.close(fd)
         if numel == 0:
