@@ -358,3 +358,25 @@ def test_a_killed_runs_directory_is_reported_not_deleted(tmp_path):
     engine.close()
     assert sorted(p.name for p in stale.iterdir()) == [MARKER, "unit0.master.float32"]
     assert [p.name for p in tmp_path.iterdir()] == [stale.name]
+
+
+def test_pretrained_weights_load_into_disk_offload_exactly(tmp_path):
+    """Loading into shards whose masters are files, written back every few KB (a tiny
+    nvme_inflight_bytes), gives back exactly the saved weights; nothing stays resident."""
+    from transformers import GPT2LMHeadModel
+
+    source, _ = _tiny(seed=3)
+    source.save_pretrained(tmp_path / "hf")
+    expected = {k: v.clone() for k, v in source.state_dict().items()}
+    with zero_strategy.init_context():
+        model = GPT2LMHeadModel(source.config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    root = tmp_path / "off"
+    engine = zero_strategy.initialize(
+        model, opt, dict(stage=3, param_persistence_threshold=0, offload_optimizer="nvme", offload_param="nvme",
+                         nvme_path=str(root), nvme_inflight_bytes=8192), pretrained=str(tmp_path / "hf"))
+    (mine,) = list(root.iterdir())
+    assert sum(rss for _, _, rss in _mappings_of_files_under(mine)) == 0
+    got = engine.full_state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected if k in got) and "lm_head.weight" in got
+    engine.close()
