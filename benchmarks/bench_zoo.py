@@ -38,6 +38,20 @@ SYSTEMS = ("ddp", "zero2", "zero3/module", "zero3")
 GLOBAL_BATCH = 6
 
 
+class _Called:
+    """Calls go to the DDP wrapper, attribute reads to the model (the zoo's losses read
+    e.g. ``model.lm.lm_head.weight`` outside the forward)."""
+
+    def __init__(self, ddp, model):
+        self._ddp, self._model = ddp, model
+
+    def __call__(self, *args, **kwargs):
+        return self._ddp(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
 def _build(system, name):
     import zero_strategy
 
@@ -46,7 +60,7 @@ def _build(system, name):
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, find_unused_parameters=name in ("moe", "mixtral"))
+        wrapped = _Called(DistributedDataParallel(model, find_unused_parameters=name in ("moe", "mixtral")), model)
 
         def step(batch):
             loss = zoo.loss_of(name, wrapped, batch)
