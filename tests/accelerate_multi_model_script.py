@@ -1,6 +1,7 @@
 """A trained policy next to frozen reference models in one Accelerator, as TRL's
 DPOTrainer prepares them: ``prepare(policy, optimizer, loader)``, then ``prepare(ref)``
-(a frozen reference; under stock DDP, which refuses that, with evaluation_mode=True)
+(a frozen reference, at stage 3 through ``set_zero_config`` whatever the section says;
+under stock DDP, which refuses ``prepare`` of a frozen model, with evaluation_mode=True)
 and ``prepare_model(ref_eval, evaluation_mode=True)`` (a second reference whose
 parameters still require grad).  Launched by tests/test_accelerate_multi_model.py under
 zero_config sections and under a plain DDP config; does not import zero_strategy.
@@ -75,6 +76,8 @@ def main():
     optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3, weight_decay=0.01)
     policy, optimizer, loader = accelerator.prepare(policy, optimizer, loader)
     if type(accelerator).__name__ == "ZeroAccelerator":
+        # Its own stage: 3 with every parameter partitioned, whatever the policy's is.
+        accelerator.set_zero_config(ref, zero_stage=3, param_persistence_threshold=0)
         ref = accelerator.prepare(ref)
     else:  # stock DDP refuses a module without trainable parameters ("DistributedDataParallel is not needed ...")
         ref = accelerator.prepare_model(ref, evaluation_mode=True)
@@ -123,6 +126,8 @@ def main():
     ref_weights = accelerator.get_state_dict(ref)
     ref_eval_weights = accelerator.get_state_dict(ref_eval)
     unwrapped = {"ref": accelerator.unwrap_model(ref) is ref, "ref_eval": accelerator.unwrap_model(ref_eval) is ref_eval}
+    lookup = getattr(accelerator, "zero_engine_for", None)
+    stages = None if lookup is None else [lookup(m).config.stage for m in (policy, ref, ref_eval)]
     if accelerator.is_main_process:
         expected = plain.state_dict()
         weight_gap = {name: max(float((sd[k].float().cpu() - expected[k].float().cpu()).abs().max()) for k in expected)
@@ -134,7 +139,7 @@ def main():
             json.dump({"losses": losses + tail, "resumed": resumed, "ref_output_gap": ref_gap, "ref_weight_gap": weight_gap,
                        "unwrap_is_model": unwrapped, "policy_weights": weights_file,
                        "policy_probe_sum_before_training": float(before_training.double().sum()),
-                       "accelerator_class": type(accelerator).__name__, "unallocated_before_prepare": unallocated,
+                       "accelerator_class": type(accelerator).__name__, "stages": stages, "unallocated_before_prepare": unallocated,
                        "ref_keys_equal": sorted(ref_weights) == sorted(expected)}, f)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -54,6 +54,9 @@ def test_policy_with_frozen_references_matches_ddp(launcher, config):
     got = _run(launcher, config)
     assert ref["accelerator_class"] == "Accelerator" and got["accelerator_class"] == "ZeroAccelerator"
     assert ref["unallocated_before_prepare"] == [False] * 3
+    # each model on its own engine; the frozen reference at stage 3 by set_zero_config, in the
+    # same process group as a stage-2 policy in the zero2 run
+    assert got["stages"] == ([2, 3, 2] if config == "zero2" else [3, 3, 3]) and ref["stages"] is None
     # evaluated before training (an evaluation engine, then the training engine took the model over)
     assert abs(got["policy_probe_sum_before_training"] - ref["policy_probe_sum_before_training"]) <= 1e-4
     assert got["unallocated_before_prepare"] == [config == "zero3_init"] * 3

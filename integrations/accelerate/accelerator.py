@@ -115,6 +115,7 @@ class ZeroAccelerator(Accelerator):
         self.scaler = None
         self._zero_engines: list = []  # every engine this Accelerator built, in order (their checkpoint folders follow it)
         self._zero_optimizer_wrappers = {}  # id(engine) -> its ZeroAcceleratedOptimizer
+        self._zero_overrides = weakref.WeakKeyDictionary()  # model -> ZeroConfig fields set by set_zero_config
         self._zero_pending: List[torch.nn.Module] = []  # training models still without their optimizer
         self._zero_guards = {}
         self._zero_wrappers = {}  # id(model) -> the DDP wrapper prepare returned for it without an optimizer
@@ -139,6 +140,24 @@ class ZeroAccelerator(Accelerator):
             return None
         inner = extract_model_from_parallel(model)
         return next((e for e in self.zero_engines if model is e.module or inner is e.module), None)
+
+    def set_zero_config(self, model, **section) -> None:
+        """Give ``model``'s engine its own settings: the ``zero_config`` section with these
+        keys changed, in the section's names (``zero_stage=3``,
+        ``param_persistence_threshold=0``, ...), e.g. a reference model at stage 3 next to
+        a policy at stage 2.  Call it before the model is prepared, on every process."""
+        if self.zero_engine_for(model) is not None:
+            raise ValueError(f"zero_config: this {type(model).__name__} is prepared already; call set_zero_config before prepare")
+        overrides = _settings.parse_section(section)  # the section's own checks, naming the key
+        shared = [k for k in ("zero3_init_flag", "zero3_save_16bit_model") if k in section]
+        if shared:
+            raise ValueError(f"zero_config: {', '.join(shared)} applies to every model of the run; set it in the section")
+        self.zero_config.replace(**overrides.engine)  # every value checked now, not at prepare
+        self._zero_overrides[model] = dict(overrides.engine)
+
+    def _zero_config_for(self, model):
+        overrides = self._zero_overrides.get(model)
+        return self.zero_config if not overrides else self.zero_config.replace(**overrides)
 
     def _zero_trained_engines(self) -> list:
         return [e for e in self.zero_engines if e.optimizer is not None]
@@ -217,7 +236,7 @@ class ZeroAccelerator(Accelerator):
         # from a partitioned from_pretrained (zero3_init_flag) is filled from its files now.
         source = self._zero_agreed("partitioned loading", lambda: _pretrained.sources_in(model))
         engine = zero_strategy.initialize(
-            model, optimizer, self.zero_config, sync_module_states=True, device=self.device, pretrained=source
+            model, optimizer, self._zero_config_for(model), sync_module_states=True, device=self.device, pretrained=source
         )
         self._zero_engines.append(engine)
         if source is not None:
