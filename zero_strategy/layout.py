@@ -15,6 +15,7 @@ milliseconds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, List, Sequence, Tuple
 
 
@@ -35,7 +36,7 @@ class FlatLayout:
         if any(n < 0 for n in self.numels):
             raise ValueError(f"tensor sizes must be >= 0, got {self.numels}")
 
-    @property
+    @cached_property  # read for every gradient and gather: computed once
     def offsets(self) -> Tuple[int, ...]:
         out, acc = [], 0
         for n in self.numels:
@@ -43,21 +44,21 @@ class FlatLayout:
             acc += n
         return tuple(out)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         """Elements of real data (without padding)."""
         return sum(self.numels)
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         """Elements each rank holds (at least 1 so empty units still have a valid shard)."""
         return max(1, ceil_div(self.numel, self.world_size))
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         return self.shard_numel * self.world_size
 
-    @property
+    @cached_property
     def padding(self) -> int:
         return self.padded_numel - self.numel
 
