@@ -4,8 +4,9 @@ The reference is plain torch on one process: the same model and AdamW, each step
 global batch split as the ranks split it, every rank's loss / N backpropagated, one
 optimizer step.  ZeRO runs on 2 (and 3) gloo processes at every stage, at stage 3
 both at the default persistence threshold and with every parameter partitioned
-(threshold 0): on 2 ranks with small sibling blocks merged into one gather (the
-default ``min_gather_numel``), on 3 ranks with one gather per block.  Losses and final parameters must agree to fp32 summation-order noise.
+(threshold 0).  At threshold 0 the gathers take three shapes: on 2 ranks the whole
+(tiny) model as one gather (the default ``min_gather_numel``) and one gather per block
+(``min_gather_numel=0``); on 3 ranks small sibling blocks merged in pairs and threes.  Losses and final parameters must agree to fp32 summation-order noise.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from dist_harness import run_distributed
 STEPS = 3
 GLOBAL_BATCH = 6  # divisible by 2 and 3 ranks
 # (stage, param_persistence_threshold, min_gather_numel); None = the default
-CONFIGS = [(0, None, None), (1, None, None), (2, None, None), (3, None, None), (3, 0, None)]
+CONFIGS = [(0, None, None), (1, None, None), (2, None, None), (3, None, None), (3, 0, None), (3, 0, 0)]
+SOME_MERGED = 10_000  # the 3-rank run: blocks of these models hold 4k-17k elements
 
 
 def _optimizer(model):
@@ -98,17 +100,22 @@ def test_every_architecture_matches_single_process_at_every_stage(group):
             _compare(name, key, results[(name, *key)], ref)
         if name in ("fused_head", "parent_child"):
             # These use a parameter outside its module's forward: gathered on demand.
-            assert results[(name, 3, 0, None)][2]["on_demand_gathers"] > 0
+            assert results[(name, 3, 0, 0)][2]["on_demand_gathers"] > 0
+        # The whole tiny model is one gather by default; one per block with 0.
+        assert [g["module"] for g in results[(name, 3, 0, None)][2]["groups"]] == ["<root>"]
+        assert all(len(g["modules"]) == 1 for g in results[(name, 3, 0, 0)][2]["groups"])
 
 
 @pytest.mark.slow
 def test_three_ranks_full_sharding():
     names = ("t5", "torch_transformer", "moe", "fused_head", "parent_child")
-    results = run_distributed(_zero_worker, 3, names, [(3, 0, 0)], timeout=900)[0]
+    key = (3, 0, SOME_MERGED)
+    results = run_distributed(_zero_worker, 3, names, [key], timeout=900)[0]
+    merged = 0
     for name in names:
-        _compare(name, (3, 0, 0), results[(name, 3, 0, 0)], reference(name, 3))
-        groups = results[(name, 3, 0, 0)][2]["groups"]
-        assert all(len(g["modules"]) == 1 for g in groups), f"{name}: min_gather_numel=0 merged {groups}"
+        _compare(name, key, results[(name, *key)], reference(name, 3))
+        merged += sum(len(g["modules"]) > 1 for g in results[(name, *key)][2]["groups"])
+    assert merged >= 2, "no gather of several blocks was exercised"
 
 
 def test_auto_units_follow_the_models_blocks():
@@ -151,10 +158,12 @@ def test_llama_7b_plan_on_the_fake_process_group_has_decoder_layer_units():
 
 
 def test_small_sibling_blocks_share_one_gather_and_cut_the_collectives():
-    """500 Linear layers of 72 elements: with the default ``min_gather_numel`` the layers
-    (siblings in one ModuleList) form one gather, so a step issues two all-gathers per
-    gather (forward, backward) instead of two per layer; encoder and decoder blocks of
-    T5 (different parents) are never merged; ``min_gather_numel=0`` keeps one per block."""
+    """500 Linear layers of 72 elements: by default the whole model (36k elements, under
+    ``min_gather_numel``) is one gather, so a step issues two all-gathers (forward,
+    backward); with a budget of 20k elements the layers (siblings in one ModuleList)
+    form runs of consecutive layers holding at least 20k elements each (but the last)
+    and at most one layer more; ``min_gather_numel=0`` gives one gather per layer.
+    T5's encoder and decoder blocks (different parents) are never merged."""
     import zero_strategy
 
     def build(name, **cfg):
@@ -162,7 +171,7 @@ def test_small_sibling_blocks_share_one_gather_and_cut_the_collectives():
         engine = zero_strategy.initialize(model, _optimizer(model), dict(stage=3, param_persistence_threshold=0, **cfg))
         return model, engine
 
-    def all_gathers_per_step(name, **cfg):
+    def one_step(name, **cfg):
         model, engine = build(name, **cfg)
         batch = zoo.make_batches(name, 1, 2)[0]
         engine.backward(zoo.loss_of(name, model, batch))
@@ -172,19 +181,22 @@ def test_small_sibling_blocks_share_one_gather_and_cut_the_collectives():
         engine.close()
         return calls, groups
 
-    merged, groups = all_gathers_per_step("many_linear")
-    layers = [g for g in groups if g["modules"][0].startswith("layers.")]
-    assert len(layers) == 1 and layers[0]["modules"] == [f"layers.{i}" for i in range(500)]
-    assert merged == 2 * len(groups)
-    separate, groups0 = all_gathers_per_step("many_linear", min_gather_numel=0)
-    assert len(groups0) == 502 and separate == 2 * 502
+    calls, groups = one_step("many_linear")
+    assert [g["module"] for g in groups] == ["<root>"] and calls == 2
 
-    _, t5 = build("t5")
+    budget = 20_000
+    calls, groups = one_step("many_linear", min_gather_numel=budget)
+    runs = [g for g in groups if g["modules"][0].startswith("layers.")]
+    assert [m for g in runs for m in g["modules"]] == [f"layers.{i}" for i in range(500)]
+    assert len(runs) == 2 and all(budget <= g["numel"] < budget + 72 for g in runs[:-1])
+    assert calls == 2 * len(groups)
+
+    calls, groups = one_step("many_linear", min_gather_numel=0)
+    assert len(groups) == 502 and calls == 2 * 502
+
+    _, t5 = build("t5", min_gather_numel=20_000)
     for g in t5.unit_summary()["groups"]:
         stacks = {m.split(".block.")[0] for m in g["modules"]}
         assert len(stacks) == 1, f"a gather spans two stacks: {g['modules']}"
+    assert any(len(g["modules"]) > 1 for g in t5.unit_summary()["groups"])
     t5.close()
-    # A budget smaller than one block: no merging at all.
-    _, small = build("llama", min_gather_numel=1)
-    assert all(len(g["modules"]) == 1 for g in small.unit_summary()["groups"])
-    small.close()

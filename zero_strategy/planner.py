@@ -13,7 +13,8 @@ whenever either runs.  Parameters below ``param_persistence_threshold`` elements
 whole on every rank (their units behave like stage-2 units).  Consecutive sibling unit
 modules smaller than ``min_gather_numel`` are merged into one gather (the unit then has
 several *members*, see gather.py's [Note: merged groups]): each collective has a fixed
-cost, which dominates when blocks hold a few thousand elements.
+cost, which dominates when blocks hold a few thousand elements; a whole model smaller
+than that is gathered as one unit.
 """
 from __future__ import annotations
 
@@ -221,6 +222,13 @@ def plan_partitioned_params(model, optimizer, config) -> Plan:
             continue
         mod = owner.get(pid) or model
         per_module[id(mod)].append((p, pnames, gidx[pid]))
+    total = sum(e[0].numel() for entries in per_module.values() for e in entries)
+    if 0 < total < config.min_gather_numel:
+        # The whole model is smaller than one gather is worth: gathered as one unit at
+        # the root (two all-gathers and one reduce-scatter per step), in registration order.
+        order = {pid: i for i, pid in enumerate(names)}
+        everything = sorted((e for entries in per_module.values() for e in entries), key=lambda e: order[id(e[0])])
+        per_module = OrderedDict([(id(model), everything)])
     root_entries = per_module.pop(id(model))
     if root_entries:
         plan.units += _bucketize(root_entries, 1 << 62, model, persistent=False, members=(model,))
