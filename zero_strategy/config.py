@@ -237,7 +237,8 @@ class ZeroConfig:
     gathered together until one gather holds at least this many elements (>= 0; 0 = one
     gather per unit module). Every collective has a fixed latency, so a model of many
     small blocks spends its step in latency; blocks of real models (millions of elements
-    each) are left alone, and the extra memory held is below one such gather."""
+    each) are left alone, and the extra memory held is below one such gather. A whole
+    model smaller than this is gathered as one unit."""
 
     keep_gathered_methods: tuple = ("generate",)
     """Stage 3: names of model methods that run inside engine.keep_gathered(), on the
