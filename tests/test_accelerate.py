@@ -163,6 +163,23 @@ _HUNG_AT_EXIT = -999
 EXIT_GRACE = 30  # seconds a reference launch gets to exit once its last output exists
 
 
+def _process_tree(root: int) -> list:
+    """``root`` and every process descended from it (Linux /proc)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
 def _run_reference(cmd, env, cwd, output: Path) -> subprocess.CompletedProcess:
     """A plain DDP reference launch. After the script has finished, a process can hang in
     interpreter shutdown: DDP's Reducer, freed last, destroys its gloo process group,
@@ -188,8 +205,14 @@ def _run_reference(cmd, env, cwd, output: Path) -> subprocess.CompletedProcess:
                     seen = now
                 hung = seen is not None and now - seen > EXIT_GRACE
                 if hung or now - start > TIMEOUT:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    out, err = p.communicate()
+                    # torchrun starts each worker in a session of its own: end the whole tree,
+                    # or an orphaned worker keeps the pipes open.
+                    for pid in _process_tree(p.pid):
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+                    out, err = p.communicate(timeout=60)
                     if not hung:
                         raise subprocess.TimeoutExpired(cmd, TIMEOUT, out, err)
                     note = f"\n[test harness] ended {EXIT_GRACE} s after {output.name} was written: hung at exit\n"
