@@ -70,7 +70,11 @@ def stage3(model, **extra):
     import zero_strategy
 
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    return zero_strategy.initialize(model, optimizer, dict(stage=3, param_persistence_threshold=0, **extra))
+    # One gather per decoder layer (min_gather_numel=0): this tiny model would otherwise be a
+    # single gather, and the counts below would not tell per-unit from per-call gathering.
+    config = dict(stage=3, param_persistence_threshold=0, min_gather_numel=0)
+    config.update(extra)
+    return zero_strategy.initialize(model, optimizer, config)
 
 
 def partitioned_units(engine) -> int:
