@@ -10,7 +10,10 @@ calling the ``lm_head`` module. The stage-3 config makes every ``Linear`` its ow
 (``unit_modules: [LlamaDecoderLayer, Linear]``, ``min_gather_numel: 0``,
 ``param_persistence_threshold: 0``), so ``lm_head.weight`` is partitioned on its own and
 no module hook gathers it before TRL reads it: the read is served by the engine's
-on-demand gather inside forward and backward.
+on-demand gather inside forward and backward. It also has ``zero3_init_flag: true``:
+TRL loads the model by name (``LlamaForCausalLM.from_pretrained`` with its own keywords,
+``device_map`` included), so the model is built partitioned, and with ``--use_peft`` TRL
+wraps it in LoRA before ``prepare`` reads each rank's slices of the checkpoint.
 
 Compared, per optimizer step, from the ``trainer_state.json`` the Trainer writes in its
 checkpoint: the loss, the gradient norm and TRL's entropy metric. The saved model (or
@@ -32,7 +35,7 @@ from test_accelerate import PY, Launcher, _close, _write_config  # noqa: E402
 
 SFT_SCRIPT = Path(trl.__file__).parent / "scripts" / "sft.py"
 STEPS = 4
-LM_HEAD_OWN_UNIT = "  unit_modules: [LlamaDecoderLayer, Linear]\n  min_gather_numel: 0\n"
+ZERO3_SECTION = "  unit_modules: [LlamaDecoderLayer, Linear]\n  min_gather_numel: 0\n  zero3_init_flag: true\n"
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8"]  # PEFT's default targets for Llama: q_proj, v_proj
 
 
@@ -40,7 +43,7 @@ class SftRuns:
     def __init__(self, root: Path) -> None:
         self.launcher = Launcher(root)
         self.launcher.env["HF_DATASETS_CACHE"] = str(root / "datasets_cache")
-        self.launcher.configs["zero3_lm_head"] = _write_config(root / "zero3_lm_head.yaml", 3, LM_HEAD_OWN_UNIT)
+        self.launcher.configs["zero3_init"] = _write_config(root / "zero3_init.yaml", 3, ZERO3_SECTION)
         assets = root / "assets"
         (assets / "data").mkdir(parents=True)
         self.model = save_tiny_llama(assets / "llama", write_text(assets / "corpus.txt"))
@@ -76,7 +79,7 @@ def _log(out: Path):
     return {key: [h[key] for h in steps] for key in ("step", "loss", "grad_norm", "entropy")}
 
 
-CASES = [("zero2", 2, False), ("zero2", 2, True), ("zero3_lm_head", 3, False), ("zero3_lm_head", 3, True)]
+CASES = [("zero2", 2, False), ("zero2", 2, True), ("zero3_init", 3, False), ("zero3_init", 3, True)]
 
 
 @pytest.mark.slow
@@ -85,6 +88,9 @@ def test_sft_per_step_losses_match_ddp(sft, config, stage, lora):
     ref_out, ref_text = sft.run("ddp", lora)
     out, text = sft.run(config, lora)
     assert text.count(f"zero_strategy: ZeRO stage {stage} on 2 rank(s)") == 1 and "zero_strategy: ZeRO" not in ref_text
+    # transformers' progress bar of its stock loader: absent where zero3_init_flag built the model partitioned
+    assert "Loading weights" in ref_text and ("Loading weights" not in text) == (stage == 3)
+    assert "whole in every process" not in text  # no fallback to the stock loader
     ref, got = _log(ref_out), _log(out)
     assert ref["step"] == got["step"] == list(range(1, STEPS + 1))
     assert len(set(ref["loss"])) == STEPS  # every step changes the loss
@@ -123,8 +129,8 @@ print(json.dumps({"pairs": out, "leaked": leaked}))
 
 @pytest.mark.slow
 def test_saved_models_and_adapters_load_without_zero_strategy_and_equal_ddp(sft):
-    full = [(str(sft.run(c, False)[0]), str(sft.run("ddp", False)[0])) for c in ("zero2", "zero3_lm_head")]
-    adapters = [(str(sft.run(c, True)[0]), str(sft.run("ddp", True)[0])) for c in ("zero2", "zero3_lm_head")]
+    full = [(str(sft.run(c, False)[0]), str(sft.run("ddp", False)[0])) for c in ("zero2", "zero3_init")]
+    adapters = [(str(sft.run(c, True)[0]), str(sft.run("ddp", True)[0])) for c in ("zero2", "zero3_init")]
     env = dict(sft.launcher.env, ZERO_STRATEGY_AUTOLOAD="0")
     proc = sft.launcher.run([PY, "-c", _LOAD_WITHOUT_PACKAGE, json.dumps([str(sft.model), full, adapters])], env=env)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
