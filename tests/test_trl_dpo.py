@@ -38,6 +38,7 @@ pytest.importorskip("peft")
 
 from hf_local_assets import WORDS, save_tiny_llama, write_text  # noqa: E402
 from test_accelerate import TIMEOUT, Launcher, _close, _write_config  # noqa: E402
+from trainer_state import logged_per_step  # noqa: E402
 
 DPO_SCRIPT = Path(trl.__file__).parent / "scripts" / "dpo.py"
 STEPS = 4
@@ -115,9 +116,7 @@ def dpo(tmp_path_factory):
 
 
 def _log(out: Path):
-    history = json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())["log_history"]
-    steps = [h for h in history if "loss" in h]
-    return {key: [h[key] for h in steps] for key in ("step", "loss", "grad_norm", "rewards/margins")}
+    return logged_per_step(out, STEPS, ("step", "loss", "grad_norm", "rewards/margins"))
 
 
 CASES = [("zero2", 2, False), ("zero2", 2, True), ("zero3_lm_head", 3, False), ("zero3_lm_head", 3, True)]

@@ -32,6 +32,7 @@ pytest.importorskip("peft")
 
 from hf_local_assets import save_tiny_llama, write_sft_jsonl, write_text  # noqa: E402
 from test_accelerate import PY, Launcher, _close, _write_config  # noqa: E402
+from trainer_state import logged_per_step  # noqa: E402
 
 SFT_SCRIPT = Path(trl.__file__).parent / "scripts" / "sft.py"
 STEPS = 4
@@ -74,9 +75,7 @@ def sft(tmp_path_factory):
 
 
 def _log(out: Path):
-    history = json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())["log_history"]
-    steps = [h for h in history if "loss" in h]
-    return {key: [h[key] for h in steps] for key in ("step", "loss", "grad_norm", "entropy")}
+    return logged_per_step(out, STEPS, ("step", "loss", "grad_norm", "entropy"))
 
 
 CASES = [("zero2", 2, False), ("zero2", 2, True), ("zero3_init", 3, False), ("zero3_init", 3, True)]
