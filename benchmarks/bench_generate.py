@@ -29,17 +29,14 @@ import argparse
 import io
 import json
 import os
-import queue as queue_mod
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SYSTEMS = ("ddp", "zero2", "zero3", "zero3_keep")
 ZERO_CONFIGS = {
@@ -138,42 +135,10 @@ def worker_main(rank, world_size, store_path, args, queue):
 
 
 def spawn(args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    store_dir = tempfile.mkdtemp(prefix="bench_generate_")
-    store_path = os.path.join(store_dir, "store")
-    procs = [ctx.Process(target=worker_main, args=(r, args.world_size, store_path, args, queue))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) < args.world_size and not errors:
-            try:
-                rank, status, payload = queue.get(timeout=1.0)
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-                if dead:
-                    errors.append(f"rank(s) {dead} died without a result")
-                elif time.monotonic() > deadline:
-                    errors.append(f"timed out after {args.timeout:.0f}s")
-                continue
-            if status == "ok":
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"--- rank {rank} ---\n{payload}")
-    finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 60)
-            if p.is_alive():
-                p.kill()  # only the processes this script started
-        if os.path.exists(store_path):
-            os.unlink(store_path)
-        os.rmdir(store_dir)
-    if errors:
-        raise RuntimeError("benchmark worker failed:\n" + "\n".join(errors))
-    return [results[r] for r in range(args.world_size)]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from spawn import run_workers  # benchmarks/spawn.py
+
+    return run_workers(worker_main, args, "bench_generate_")
 
 
 def summarize(args, per_rank):
