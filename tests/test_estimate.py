@@ -231,3 +231,47 @@ def test_cli_prints_the_disk_offload_column(capsys):
     rows = [l.split() for l in out.splitlines() if l.startswith("  3 ")]
     # stage 3: disk 12 * 7.5e9 / 64 bytes; with the parameters too, 14 * 7.5e9 / 64.
     assert "(1,406,250,000" in " ".join(rows[0]) and "(1,640,625,000" in " ".join(rows[1])
+
+
+# -- what fits in a memory budget ------------------------------------------------------------
+def test_largest_fitting_inverts_the_closed_forms():
+    from zero_strategy.estimate import disk_offload_estimate, largest_fitting
+
+    # Stage 0 in mixed precision holds 16 bytes per parameter: the largest model in B bytes is B // 16.
+    for budget in (0, 15, 16, 17, 10**9 + 7):
+        assert largest_fitting(lambda p: estimate(p, 1, 0, "bf16").total, budget) == budget // 16
+    # Stage 3 on N = 4: 16 * ceil(Psi / 4) <= B  <=>  Psi <= 4 * (B // 16).
+    assert largest_fitting(lambda p: estimate(p, 4, 3, "bf16").total, 1600) == 400
+    # Disk offload, stage 3 with the parameters on disk: RAM = 2 ceil(Psi/N) + the in-flight bound,
+    # disk = 14 ceil(Psi/N); N = 2, 1 GiB in flight, 11 GiB of RAM, 30 GiB of disk.
+    gib, n, inflight = 2**30, 2, 2**30
+    ram = largest_fitting(lambda p: disk_offload_estimate(p, n, 3, "bf16", offload_param=True,
+                                                          inflight_bytes=inflight).ram, 11 * gib)
+    assert ram == n * ((11 * gib - inflight) // 2)
+    disk = largest_fitting(lambda p: disk_offload_estimate(p, n, 3, "bf16", offload_param=True).disk, 30 * gib)
+    assert disk == n * (30 * gib // 14)
+    assert largest_fitting(lambda p: 10**20, 10**9) == 0  # nothing fits
+
+
+def test_cli_memory_per_rank_says_what_fits_and_the_largest_model(capsys):
+    from zero_strategy.cli import parse_bytes
+
+    assert parse_bytes("11GiB") == 11 * 2**30 and parse_bytes("1.5KiB") == 1536 and parse_bytes("12e9") == 12 * 10**9
+    budget = 11 * 2**30
+    assert main(["estimate", "--params", "2B", "--world-size", "2", "--precision", "bf16",
+                 "--memory-per-rank", "11GiB", "--disk-per-rank", "10GiB"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    # 2B at N = 2: stage 0 needs 16 * 2e9 bytes + two 5M-element bf16 buckets, which is over 11 GiB by:
+    stage0 = next(l for l in lines if l.startswith("0 "))
+    over = (16 * 2 * 10**9 + 2 * 5_000_000 * 2 - budget) / 1e9
+    assert stage0.rstrip().endswith(f"NO: {over:,.2f} GB over"), stage0
+    # Stage 3 with the parameters on disk: 2 bytes/param of gradients (1e9 per rank) + 256 MiB in flight
+    # fits in memory, but 14 bytes/param of files (14e9 per rank) do not fit in 10 GiB of disk.
+    both = next(l for l in lines if l.startswith("  3 ") and "optimizer + params" in l)
+    assert both.split()[-5:] == ["yes", "NO:", f"{(14 * 10**9 - 10 * 2**30) / 1e9:,.2f}", "GB", "over"], both
+    # The largest models: stage 0 is (budget - buckets) // 16; disk offload of everything is limited by disk.
+    largest = {l.split("  ")[1].strip(): l for l in lines[lines.index(next(l for l in lines if l.startswith("Largest"))) + 2:]
+               if l.startswith("  stage")}
+    assert f"{(budget - 2 * 5_000_000 * 2) // 16:,}" in largest["stage 0"]
+    assert f"{2 * (10 * 2**30 // 14):,} (limited by disk)" in largest["stage 3 + disk offload (optimizer + params)"]

@@ -12,7 +12,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable, Optional, Sequence
 
 from .estimate import (OVERHEAD_DESCRIPTIONS, SAVING_DESCRIPTIONS, STAGE_NAMES, disk_offload_estimate, estimate,
-                       optimizer_bytes_per_param)
+                       largest_fitting, optimizer_bytes_per_param)
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -33,6 +33,27 @@ def parse_count(text: str) -> int:
     if not value.is_finite() or value != value.to_integral_value() or value < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole, non-negative count")
     return int(value)
+
+
+_BINARY_SUFFIXES = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: what parse_count takes (12e9, 12G = 12 * 10**9), or binary units
+    (24GiB, 11.5GiB, 512MiB)."""
+    raw = text.strip().replace("_", "").replace(",", "")
+    for suffix, scale in _BINARY_SUFFIXES.items():
+        if raw.lower().endswith(suffix):
+            try:
+                value = Decimal(raw[: -len(suffix)]) * scale
+            except InvalidOperation:
+                break
+            if value.is_finite() and value >= 0:
+                return int(value)  # a fraction of a byte rounds down
+            break
+    else:
+        return parse_count(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a byte count; use e.g. 12GiB, 512MiB, 12e9")
 
 
 def _world_sizes(values: Optional[list]) -> list:
@@ -75,6 +96,13 @@ def _add_estimate_args(parser: argparse.ArgumentParser) -> None:
     ]:
         parser.add_argument(flag, type=parse_count, default=None,
                             help=what + "; adds an overhead term")
+    parser.add_argument("--memory-per-rank", type=parse_bytes, default=None, metavar="BYTES",
+                        help="memory one rank may use for model states (e.g. 11GiB: a host's RAM, less what the "
+                             "runtime and activations need, divided by the ranks on it); says which configurations "
+                             "fit and the largest model that does")
+    parser.add_argument("--disk-per-rank", type=parse_bytes, default=None, metavar="BYTES",
+                        help="disk one rank may fill under nvme_path; with --memory-per-rank, also limits the "
+                             "disk-offload rows")
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
@@ -93,6 +121,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         largest_unit=args.largest_unit or 0,
     )
     k = optimizer_bytes_per_param(args.optimizer, args.precision)
+    budget = args.memory_per_rank
     header = ("stage", "name", "params", "grads", "optimizer states",
               "total (formula)", "total with overheads", "ours: backward-step", "ours: between steps")
     for n in sizes:
@@ -100,20 +129,73 @@ def _run_estimate(args: argparse.Namespace) -> int:
                    for s in range(4)]
         print(f"Model states per rank: {args.params:,} parameters, N = {n}, "
               f"precision {args.precision}, optimizer {args.optimizer} (K = {k} bytes/param)")
-        rows = [header] + [
+        rows = [header + ((f"fits in {_gb(budget)}",) if budget is not None else ())] + [
             (str(s), STAGE_NAMES[s], _gb(r.parameters), _gb(r.gradients),
              _gb(r.optimizer_states), _gb(r.total), _gb(r.total_with_overheads),
              _gb(r.held_during_step), _gb(r.held_between_steps))
+            + ((_fits(r.held_during_step, budget),) if budget is not None else ())
             for s, r in enumerate(results)
         ]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         _print_overheads(results)
         _print_savings(results)
         _print_disk_offload(args, n)
+        if budget is not None:
+            _print_largest(args, n, overhead_args, bucket)
         print()
     return 0
+
+
+def _fits(needed: int, budget: int) -> str:
+    return "yes" if needed <= budget else f"NO: {(needed - budget) / 1e9:,.2f} GB over"
+
+
+def _disk_rows(args: argparse.Namespace):
+    """(stage, what is offloaded, offload_param) of the disk-offload table."""
+    return ((1, "optimizer", False), (2, "optimizer", False), (3, "optimizer", False), (3, "optimizer + params", True))
+
+
+def _print_largest(args: argparse.Namespace, n: int, overhead_args: dict, bucket: int) -> None:
+    """The largest parameter count each configuration fits in --memory-per-rank (and
+    --disk-per-rank for disk offload), by the same estimates as the tables above."""
+    from .config import ZeroConfig
+
+    budget, disk = args.memory_per_rank, args.disk_per_rank
+    inflight = ZeroConfig().nvme_inflight_bytes
+    print(f"Largest model whose model states fit in {_gb(budget)} per rank (N = {n}; 'ours: backward-step'"
+          + (f"; disk offload also within {_gb(disk)} of disk per rank" if disk is not None else "") + "):")
+
+    def held(stage):
+        def needed(psi):
+            kw = dict(overhead_args)
+            if not args.num_units:  # the default: one unit per reduce bucket, so it grows with the model
+                kw["num_units"] = max(1, -(-psi // bucket))
+            kw["persistent_params"] = min(kw["persistent_params"], psi)
+            return estimate(psi, n, stage, args.precision, args.optimizer, **kw).held_during_step
+        return needed
+
+    rows = [("configuration", "largest model (parameters)")]
+    for stage in range(4):
+        rows.append((f"stage {stage}", f"{largest_fitting(held(stage), budget):,}"))
+    for stage, what, offload_param in _disk_rows(args):
+        def ram(psi, stage=stage, offload_param=offload_param):
+            return disk_offload_estimate(psi, n, stage, args.precision, args.optimizer, offload_param=offload_param,
+                                         inflight_bytes=inflight).ram
+        psi = largest_fitting(ram, budget)
+        limit = "memory"
+        if disk is not None:
+            def on_disk(p, stage=stage, offload_param=offload_param):
+                return disk_offload_estimate(p, n, stage, args.precision, args.optimizer,
+                                             offload_param=offload_param, inflight_bytes=inflight).disk
+            by_disk = largest_fitting(on_disk, disk)
+            if by_disk < psi:
+                psi, limit = by_disk, "disk"
+        rows.append((f"stage {stage} + disk offload ({what})", f"{psi:,} (limited by {limit})"))
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    for row in rows:
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
 def _print_disk_offload(args: argparse.Namespace, n: int) -> None:
@@ -121,11 +203,16 @@ def _print_disk_offload(args: argparse.Namespace, n: int) -> None:
 
     inflight = ZeroConfig().nvme_inflight_bytes
     print(f"With disk offload (offload_optimizer: nvme; nvme_inflight_bytes {inflight:,}), per rank:")
-    rows = [("stage", "offload", "RAM (backward-step)", "disk")]
-    for stage, on_disk in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "optimizer + params")):
+    budget, disk = args.memory_per_rank, args.disk_per_rank
+    rows = [("stage", "offload", "RAM (backward-step)", "disk")
+            + ((f"fits in {_gb(budget)}",) if budget is not None else ())
+            + ((f"fits in {_gb(disk)} of disk",) if disk is not None else ())]
+    for stage, on_disk, offload_param in _disk_rows(args):
         r = disk_offload_estimate(args.params, n, stage, args.precision, args.optimizer,
-                                  offload_param=on_disk != "optimizer", inflight_bytes=inflight)
-        rows.append((str(stage), on_disk, _gb(r.ram), _gb(r.disk)))
+                                  offload_param=offload_param, inflight_bytes=inflight)
+        rows.append((str(stage), on_disk, _gb(r.ram), _gb(r.disk))
+                    + ((_fits(r.ram, budget),) if budget is not None else ())
+                    + ((_fits(r.disk, disk),) if disk is not None else ()))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -225,3 +225,22 @@ def disk_offload_estimate(num_params, world_size, stage, precision: str = "fp16"
     step_state = min(_count("inflight_bytes", inflight_bytes, 1), k_disk * shard)
     disk = k_disk * shard + (p * shard if offload_param else 0)
     return DiskOffloadEstimate(ram=params + grads + step_state, disk=disk)
+
+
+def largest_fitting(bytes_for, budget: int, upper: int = 10**15) -> int:
+    """The largest parameter count Ψ with ``bytes_for(Ψ) <= budget`` (0 when not even one
+    parameter fits), by bisection; ``bytes_for`` must not decrease as Ψ grows (every
+    estimate here is a sum of non-negative multiples of Ψ, ceil(Ψ/N) and constants)."""
+    budget = _count("budget", budget, 0)
+    if bytes_for(1) > budget:
+        return 0
+    lo, hi = 1, _count("upper", upper, 1)
+    if bytes_for(hi) <= budget:
+        return hi
+    while hi - lo > 1:  # bytes_for(lo) fits, bytes_for(hi) does not
+        mid = (lo + hi) // 2
+        if bytes_for(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo
