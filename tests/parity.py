@@ -2,8 +2,9 @@
 
 The reference is independent of the engine: plain autograd + torch.optim on one
 process over the whole global batch.  For 16-bit precisions it applies the same casts
-as ZeRO does (compute copy in 16 bits, fp32 master weights, loss scale for fp16), but
-none of the engine's code.
+as ZeRO does (compute copy in 16 bits, fp32 master weights, loss scale for fp16; with
+``autocast`` in the job's config: fp32 parameters and the forward under torch.autocast),
+but none of the engine's code.
 """
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def reference_run(job):
     micro = job.get("micro_batch", 2)
     batches = lm_batches(steps, ws * accum * micro)
     # fp32 masters keyed like the model; compute copy in the compute dtype.
+    # autocast: fp32 parameters, forward under torch.autocast (stock autocast training).
+    autocast = job.get("config", {}).get("autocast", False)
     master = {n: p.detach().clone().float() for n, p in model.named_parameters()}
-    compute = copy.deepcopy(model).to(dtype)
+    compute = copy.deepcopy(model).to(torch.float32 if autocast else dtype)
     masters = [torch.nn.Parameter(master[n]) for n, p in model.named_parameters()]
     by_name = dict(zip([n for n, _ in model.named_parameters()], masters))
     opt_groups = []
@@ -63,12 +66,16 @@ def reference_run(job):
         for j in range(accum):
             for r in range(ws):
                 ids = chunks[r, j]
-                loss = compute(input_ids=ids, labels=ids).loss
+                with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                    loss = compute(input_ids=ids, labels=ids).loss
                 total += float(loss) / (accum * ws)
-                ((loss / accum / ws) * scale).backward()
+                # Under autocast the fp16 gradients inside backward are rounded at the
+                # loss's scale, so it is the engine's: 1/ws is applied to the fp32 sum
+                # (exact for a power of two), as ZeRO's reduction does.
+                ((loss / accum / (1 if autocast else ws)) * scale).backward()
         for n, m in by_name.items():
             g = cparams[n].grad
-            m.grad = None if g is None else g.float() / scale
+            m.grad = None if g is None else g.float() / scale / (ws if autocast else 1)
             if not cparams[n].requires_grad:
                 m.grad = None
         if job.get("clip"):

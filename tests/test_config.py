@@ -20,6 +20,7 @@ EXPECTED_DEFAULTS = {
     "stage": 2,
     "precision": "fp32",
     "reduce_dtype": None,
+    "autocast": False,
     "reduce_bucket_size": 5_000_000,
     "allgather_bucket_size": 25_000_000,
     "overlap_comm": True,

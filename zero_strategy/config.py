@@ -202,8 +202,18 @@ class ZeroConfig:
     Aliases such as "bf16-mixed", "16-mixed", "float16" or "32" are normalised."""
 
     reduce_dtype: Optional[str] = None
-    """Dtype gradients are reduced in; None = the same as `precision`. Reducing in fp32
-    while computing in bf16 trades bandwidth for accuracy of the sum."""
+    """Dtype gradients are reduced in; None = the same as `precision` (fp32 with
+    `autocast`). Reducing in fp32 while computing in bf16 trades bandwidth for accuracy
+    of the sum."""
+
+    autocast: bool = False
+    """False: bf16/fp16 `precision` computes with 16-bit copies of the parameters next
+    to fp32 master weights (DeepSpeed's and FSDP2's mixed precision; the least memory
+    and communication). True: parameters, gradients and collectives stay fp32 and the
+    model's forward runs under ``torch.autocast`` in `precision`'s dtype (what stock
+    Accelerate and Lightning do with ``mixed_precision``: the same numbers as their
+    autocast training, at fp32's memory and all-gather bytes). fp16 scales the loss
+    either way. Needs `precision` bf16 or fp16."""
 
     reduce_bucket_size: int = 5_000_000
     """Elements of gradients gathered into one reduce(-scatter) call (>= 1). Bigger
@@ -366,9 +376,14 @@ class ZeroConfig:
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
-        for flag in ("offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):
+        for flag in ("autocast", "offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):
             if not isinstance(getattr(self, flag), bool):
                 raise _type_error(flag, getattr(self, flag), "true or false")
+        if self.autocast and self.precision == "fp32":
+            raise ValueError(
+                "ZeroConfig.autocast=True runs the forward under torch.autocast in a 16-bit dtype: set precision "
+                "to 'bf16' or 'fp16', or leave autocast False for fp32 training"
+            )
         if self.on_min_loss_scale not in _MIN_LOSS_SCALE_POLICIES:
             raise ValueError(
                 f"ZeroConfig.on_min_loss_scale must be one of {', '.join(map(repr, _MIN_LOSS_SCALE_POLICIES))}, "
@@ -396,7 +411,8 @@ class ZeroConfig:
 
     @property
     def is_mixed_precision(self) -> bool:
-        return self.precision != "fp32"
+        """16-bit compute copies of the parameters exist next to fp32 masters."""
+        return self.precision != "fp32" and not self.autocast
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -405,11 +421,22 @@ class ZeroConfig:
 
     @property
     def param_dtype(self):
-        return _torch_dtype(self.precision)
+        """Dtype of the parameters forward and backward see (fp32 under `autocast`)."""
+        return _torch_dtype("fp32" if self.autocast else self.precision)
 
     @property
     def grad_reduce_dtype(self):
-        return _torch_dtype(self.reduce_dtype or self.precision)
+        return _torch_dtype(self.reduce_dtype or ("fp32" if self.autocast else self.precision))
+
+    @property
+    def autocast_dtype(self):
+        """The dtype torch.autocast computes in, or None without `autocast`."""
+        return _torch_dtype(self.precision) if self.autocast else None
+
+    @property
+    def model_state_precision(self) -> str:
+        """The precision the parameters are stored in (what the paper's memory formulas take)."""
+        return "fp32" if self.autocast else self.precision
 
     # -- construction -----------------------------------------------------------------
 

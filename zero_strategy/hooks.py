@@ -2,7 +2,9 @@
 
 * Each trainable parameter: a post-accumulate-grad hook feeding its unit's bucket.
 * The root module: a forward pre-hook (input casting, per-step bookkeeping) and a
-  forward hook (stage 3: release whatever a lazy gather left behind).
+  forward hook (stage 3: release whatever a lazy gather left behind); with
+  ``autocast=True`` also the pair that runs forward under torch.autocast
+  (autocast_forward.py).
 * Stage 3 only: state-dict hooks on the root, so ``model.state_dict()`` consolidates
   (module_state_dict.py); pre/post forward hooks on every unit module (each member of a merged group), and lazy pre-hooks on
   modules that own partitioned parameters (so calling such a submodule on its own,
@@ -16,6 +18,7 @@ from typing import List
 import torch
 from torch.utils._pytree import tree_map
 
+from .autocast_forward import register_autocast
 from .module_state_dict import register_state_dict_hooks
 
 
@@ -36,6 +39,8 @@ def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:
     root = engine.module
     handles.append(root.register_forward_pre_hook(_eager(lambda m, a, k: engine._on_root_pre_forward(a, k)), with_kwargs=True))
     handles.append(root.register_forward_hook(_eager(lambda m, a, o: engine._on_root_post_forward())))
+    if engine.policies.precision.autocast_dtype is not None:
+        handles.extend(register_autocast(root, engine.policies.precision.autocast_dtype, lambda: _device_type(root)))
 
     gatherer = engine.gatherer
     if gatherer is None:
@@ -92,6 +97,12 @@ def _eager(hook):
         return hook(*args, **kwargs)
 
     return run
+
+
+def _device_type(module: torch.nn.Module) -> str:
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
 
 
 def _forward_grad(engine_ref, unit_ref, pos: int) -> None:

@@ -52,6 +52,7 @@ class PrecisionPolicy:
     mixed: bool  # compute dtype narrower than the fp32 master
     loss_scaling: bool  # fp16: dynamic or static loss scale
     exact_frozen: bool  # units without an optimizer keep an fp32 copy of their values too
+    autocast_dtype: Optional[torch.dtype] = None  # forward under torch.autocast (autocast_forward.py)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,7 @@ class Policies:
             mixed=config.is_mixed_precision,
             loss_scaling=config.uses_loss_scaling,
             exact_frozen=config.exact_frozen_weights,
+            autocast_dtype=config.autocast_dtype,
         )
         disk = config.offload_optimizer == "nvme"
         offload = OffloadPolicy(
