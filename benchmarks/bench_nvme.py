@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -40,6 +41,18 @@ def _status(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _disk_used(directory) -> int:
+    """Bytes of disk the files under ``directory`` occupy (allocated blocks, not sizes)."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
 
 
 def _io() -> dict:
@@ -75,6 +88,7 @@ def _run(rank, ws, args, name):
     cfg = transformers.GPT2Config(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab,
                                   n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
+    t_build = time.perf_counter()
     with zero_strategy.init_context():  # every rank builds nothing whole
         model = transformers.GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -83,36 +97,63 @@ def _run(rank, ws, args, name):
         zcfg.update(nvme_path=args.nvme_path, nvme_inflight_bytes=args.inflight_bytes)
     engine = zero_strategy.initialize(model, opt, zcfg)
     psi = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(rank)
     steps, times, per_step = [], [], []
+    built = {"build_s": time.perf_counter() - t_build, "peak_rss_after_build": _status("VmHWM"),
+             "rss_after_build": _status("VmRSS")}
+    _progress(args, rank, f"{name}: built {psi / 1e6:,.1f}M parameters in {built['build_s']:.0f} s, "
+                          f"peak RSS {_mib(built['peak_rss_after_build'])} MiB")
+    # The same fixed batch every step: the loss must fall as the model fits it (a sanity
+    # check that the offloaded update is applied), independent of the data.
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
+    steps, times, per_step, losses = [], [], [], []
     for i in range(args.warmup + args.steps):
-        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
         before = _io()
         t0 = time.perf_counter()
-        engine.backward(model(input_ids=ids, labels=ids).loss)
+        loss = model(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
         engine.step()
         dt = time.perf_counter() - t0
         after = _io()
+        losses.append(loss.item())
+        disk = engine.disk_offload.report()["last_step"] if engine.disk_offload is not None else {}
+        step = {"step": i, "loss": losses[-1], "seconds": dt, "read": disk.get("bytes_read", 0),
+                "written": disk.get("bytes_written", 0),
+                "kernel_read": after["read_bytes"] - before["read_bytes"],
+                "kernel_written": after["write_bytes"] - before["write_bytes"],
+                "wait_s": disk.get("wait_seconds", 0.0), "rss": _status("VmRSS"), "rss_anon": _status("RssAnon"),
+                "rss_file": _status("RssFile"), "peak_rss": _status("VmHWM")}
+        _progress(args, rank, f"{name}: step {i} loss {step['loss']:.4f} {dt:.1f} s, read {_mib(step['read'])} MiB "
+                              f"(kernel {_mib(step['kernel_read'])}), written {_mib(step['written'])} MiB (kernel "
+                              f"{_mib(step['kernel_written'])}), RSS {_mib(step['rss'])} MiB (anon "
+                              f"{_mib(step['rss_anon'])}, file {_mib(step['rss_file'])}), peak {_mib(step['peak_rss'])} MiB")
         if i >= args.warmup:
             times.append(dt)
-            disk = engine.disk_offload.report()["last_step"] if engine.disk_offload is not None else {}
-            per_step.append({"read": disk.get("bytes_read", 0), "written": disk.get("bytes_written", 0),
-                             "kernel_read": after["read_bytes"] - before["read_bytes"],
-                             "kernel_written": after["write_bytes"] - before["write_bytes"],
-                             "wait_s": disk.get("wait_seconds", 0.0)})
+            per_step.append(step)
     report = engine.memory_report()
+    directory = engine.disk_offload.directory if engine.disk_offload is not None else None
     result = {
         "params": psi,
         "tokens_per_s": args.batch * args.seq * len(times) / sum(times),
         "step_s": sorted(times),
         "peak_rss": _status("VmHWM"),
         "rss_between_steps": _status("VmRSS"),
+        "rss_anon_between_steps": _status("RssAnon"),
+        "rss_file_between_steps": _status("RssFile"),
         "in_memory": report["total"] - report.get("disk", 0),
         "on_disk": report.get("disk", 0),
+        "disk_used": _disk_used(directory) if directory is not None else 0,
+        "losses": losses,
         "per_step": per_step,
+        **built,
     }
     engine.close()
+    result["offload_directory_removed"] = directory is None or not os.path.exists(directory)
     return result
+
+
+def _progress(args, rank, line) -> None:
+    if args.progress:
+        print(f"[{time.strftime('%H:%M:%S')} rank {rank}] {line}", file=sys.stderr, flush=True)
 
 
 def _spawn(args, name):
@@ -164,6 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--inflight-bytes", type=int, default=256 * 2**20, help="nvme_inflight_bytes")
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--json", default=None, help="also write the raw results here")
+    p.add_argument("--progress", action="store_true", help="print one line per rank per step to stderr")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for n in names:
@@ -186,17 +228,21 @@ def main(argv=None) -> int:
           f"stage {args.stage}, {args.precision}, N = {args.world_size}, {args.batch}x{args.seq} tokens per rank per "
           f"step, {args.steps} timed steps after {args.warmup}")
     print()
-    print("| config | rank | tokens/s (all ranks) | peak RSS MiB | RSS between steps MiB | model states in memory MiB "
-          "| on disk MiB | read / step MiB (kernel) | written / step MiB (kernel) | step waited for I/O s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | rank | tokens/s (all ranks) | s / step (min-max) | peak RSS MiB | RSS between steps MiB (anon + file) "
+          "| model states in memory MiB | on disk MiB (allocated) | read / step MiB (kernel) | written / step MiB (kernel) "
+          "| step waited for I/O s | loss, first -> last step | offload dir removed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in names:
         for r, res in enumerate(raw[n]):
             steps = res["per_step"]
             avg = lambda k: sum(s[k] for s in steps) / len(steps)  # noqa: E731
             tps = res["tokens_per_s"] * args.world_size
-            print(f"| {n} | {r} | {tps:,.0f} | {_mib(res['peak_rss'])} | {_mib(res['rss_between_steps'])} | "
-                  f"{_mib(res['in_memory'])} | {_mib(res['on_disk'])} | {_mib(avg('read'))} ({_mib(avg('kernel_read'))}) | "
-                  f"{_mib(avg('written'))} ({_mib(avg('kernel_written'))}) | {avg('wait_s'):.2f} |")
+            print(f"| {n} | {r} | {tps:,.1f} | {min(res['step_s']):.1f}-{max(res['step_s']):.1f} | {_mib(res['peak_rss'])} | "
+                  f"{_mib(res['rss_between_steps'])} ({_mib(res['rss_anon_between_steps'])} + "
+                  f"{_mib(res['rss_file_between_steps'])}) | {_mib(res['in_memory'])} | {_mib(res['on_disk'])} "
+                  f"({_mib(res['disk_used'])}) | {_mib(avg('read'))} ({_mib(avg('kernel_read'))}) | "
+                  f"{_mib(avg('written'))} ({_mib(avg('kernel_written'))}) | {avg('wait_s'):.2f} | "
+                  f"{res['losses'][0]:.4f} -> {res['losses'][-1]:.4f} | {'yes' if res['offload_directory_removed'] else 'NO'} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": raw}, f, indent=1)
