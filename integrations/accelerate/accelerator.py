@@ -37,8 +37,11 @@ Accelerator method            with zero_config
 
 Each call acts on the engine of the model (or optimizer, or parameters) it is given.
 
-Mixed precision is the engine's: 16-bit parameters with fp32 masters and inputs cast
-at the model's root, so this Accelerator neither autocasts nor uses a GradScaler.
+Mixed precision is the engine's: by default 16-bit parameters with fp32 masters and
+inputs cast at the model's root, so this Accelerator neither autocasts nor uses a
+GradScaler; with ``autocast: true`` in the section, fp32 parameters and the forward
+under torch.autocast (the engine's hooks), with outputs returned in fp32 as stock
+Accelerate returns them: stock Accelerate's numbers.
 """
 from __future__ import annotations
 
@@ -50,12 +53,13 @@ import os
 import sys
 import warnings
 import weakref
+from types import MethodType
 from typing import List, Optional
 
 import torch
 from accelerate.accelerator import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import extract_model_from_parallel
+from accelerate.utils import convert_outputs_to_fp32, extract_model_from_parallel
 
 from .. import pretrained as _pretrained
 from . import loading as _loading
@@ -110,8 +114,10 @@ class ZeroAccelerator(Accelerator):
         _settings.check_distributed_type(self.distributed_type)
         self.zero_config = self.zero_settings.zero_config(self.state.mixed_precision)
         _loading.enable(self.zero_settings)
-        # The engine casts parameters and inputs itself: no autocast, no GradScaler.
-        self.native_amp = False
+        # The engine casts parameters and inputs itself, or (zero_config `autocast: true`)
+        # runs the forward under torch.autocast itself: Accelerate's autocast() context
+        # then works as usual, and the loss scale is the engine's, never a GradScaler.
+        self.native_amp = self.zero_config.autocast
         self.scaler = None
         self._zero_engines: list = []  # every engine this Accelerator built, in order (their checkpoint folders follow it)
         self._zero_optimizer_wrappers = {}  # id(engine) -> its ZeroAcceleratedOptimizer
@@ -253,6 +259,8 @@ class ZeroAccelerator(Accelerator):
             # stepping until all are done, as the stage-3 all-gathers require.
             model._is_fsdp_managed_module = True
         _release.leave_engine_on_conversion(model)
+        if engine.config.autocast and "_original_forward" not in model.__dict__:
+            _outputs_in_fp32(model)
         return engine
 
     def _zero_agreed(self, what: str, work):
@@ -564,6 +572,17 @@ def _warn_if_processes_are_alone(accelerator) -> None:
         f"together (each one trains on all of the data, as a single process would).{hint}",
         stacklevel=3,
     )
+
+
+def _outputs_in_fp32(model) -> None:
+    """What stock Accelerate does to a model it autocasts: its floating-point outputs
+    come back in fp32 (a loss computed from the logits outside forward is then the
+    same as stock's), undone by ``unwrap_model`` through ``_original_forward``."""
+    model._original_forward = model.forward
+    if hasattr(model.forward, "__func__"):
+        model.forward = MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+    else:
+        model.forward = convert_outputs_to_fp32(model.forward)
 
 
 def _retire_wrapper(wrapper) -> None:
