@@ -3,12 +3,21 @@
 Each worker's return value (picklable) comes back to the test; an exception in any
 worker is re-raised in the test with that worker's traceback.  Kept tiny on purpose:
 MultiProcessTestCase needs the dev-only expecttest package.
+
+On Linux the workers are forked from a multiprocessing fork server that has imported
+torch and transformers once, and nothing else: a spawned worker spent several seconds
+importing them (most of a small test's time, on two busy cores), once per rank per
+test.  Each worker is still a new process that has run no test code, gets the test
+process's current environment, working directory and sys.path (as a spawned one does),
+and initialises torch's thread pools and process group itself.
 """
 from __future__ import annotations
 
 import io
+import multiprocessing.forkserver
 import os
 import queue as queue_mod
+import sys
 import time
 import tempfile
 import traceback
@@ -18,7 +27,35 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world_size, store_path, fn, args, queue, backend="gloo"):
+# Imported once in the fork server: every worker needs them, none has state to share.
+_PRELOAD = ["torch", "torch.distributed", "transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2",
+            "transformers.models.llama.modeling_llama", "safetensors.torch"]
+_context = None
+
+
+def _mp_context():
+    global _context
+    if _context is None:
+        if sys.platform.startswith("linux"):
+            _context = mp.get_context("forkserver")
+            _context.set_forkserver_preload(_PRELOAD)
+            # The server loads torch's OpenMP runtime, which reads OMP_NUM_THREADS once.
+            saved = os.environ.get("OMP_NUM_THREADS")
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                if saved is None:
+                    del os.environ["OMP_NUM_THREADS"]
+        else:  # fork is unsafe on macOS
+            _context = mp.get_context("spawn")
+    return _context
+
+
+def _worker(rank, world_size, store_path, fn, args, queue, backend="gloo", environ=None):
+    if environ is not None:  # the fork server's environment is the one it started with
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -42,12 +79,12 @@ def _worker(rank, world_size, store_path, fn, args, queue, backend="gloo"):
 def _spawn_and_collect(fn, world_size, args, timeout, backend, stop_at_first_error):
     """Start the workers; return ({rank: ("ok", result) | ("error", traceback)},
     {rank: exit code of ranks that died without reporting}, timed_out)."""
-    ctx = mp.get_context("spawn")
+    ctx = _mp_context()
     queue = ctx.Queue()
     fd, store_path = tempfile.mkstemp(prefix="zs_store_")
     os.close(fd)
     os.unlink(store_path)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue, backend)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue, backend, dict(os.environ))) for r in range(world_size)]
     for p in procs:
         p.start()
     outcomes, dead, timed_out = {}, {}, False
