@@ -12,7 +12,13 @@ read_bytes / write_bytes: block I/O actually issued).
     .venv/bin/python benchmarks/bench_nvme.py --n-layer 4 --n-embd 256 --configs none,nvme --stage 2
 
 The defaults (about 52M parameters, 2 ranks) stay well under 4 GB of resident memory in
-all; a model whose model states exceed the machine's RAM is the run still to be done.
+all. A model whose model states (16 bytes/parameter) exceed a 24 GiB machine's RAM, built
+partitioned (``init_context``: no rank ever holds it whole), about 13 minutes on 2 cores:
+
+    .venv/bin/python benchmarks/bench_nvme.py --n-layer 25 --n-embd 2560 --n-head 20 --vocab 16384 \
+        --seq 128 --batch 1 --configs nvme+param --steps 3 --progress
+
+Every rank trains on one fixed batch of its own, so the loss should fall from step to step.
 """
 from __future__ import annotations
 
@@ -105,7 +111,7 @@ def _run(rank, ws, args, name):
     # The same fixed batch every step: the loss must fall as the model fits it (a sanity
     # check that the offloaded update is applied), independent of the data.
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(rank))
-    steps, times, per_step, losses = [], [], [], []
+    times, per_step, losses = [], [], []
     for i in range(args.warmup + args.steps):
         before = _io()
         t0 = time.perf_counter()

@@ -2,11 +2,12 @@
 
 For N ranks sharing one host, each rank gets ``ram / N - reserve`` bytes for model states
 (``reserve``: the Python/torch runtime, activations, gathered blocks and buckets, which the
-model-state formulas leave out; the 2B disk-offload run measured about 1.9 GB of it per rank
-at width 2560). For every system this prints the largest parameter count whose model states
-fit in that, what limits it (memory or, for disk offload, the free disk under ``--nvme-path``
-shared by the N ranks) and the GPT-2 shape of that size at the given width (the shape
-``bench_nvme.py`` trains).
+model-state formulas leave out; the 2.0B disk-offload run at width 2560 peaked at 4.08 GiB
+per rank against 2.12 GiB of estimated model states, so about 2 GiB of it). For every
+system this prints the largest parameter count whose model states fit in that, what
+limits it (memory or, for disk offload, the free disk under ``--nvme-path`` shared by the
+N ranks) and the GPT-2 shape of that size at the given width (the shape ``bench_nvme.py``
+trains).
 
     .venv/bin/python benchmarks/largest_model.py --world-size 2
     .venv/bin/python benchmarks/largest_model.py --world-size 2 --ram 24GiB --reserve-per-rank 2GiB --disk 70e9

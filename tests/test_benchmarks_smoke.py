@@ -73,3 +73,24 @@ def test_simulate_scale_7b_plan_matches_formula():
     assert rows[3]["disk_offload_disk_bytes"] == 14 * -(-r["psi"] // 256)  # 12Ψ/N master + Adam, 2Ψ/N shard
     table = simulate_scale.markdown(rows)
     assert table.count("\n| 7b |") == 4
+
+
+def test_largest_model_formulas_match_the_engine(capsys):
+    """benchmarks/largest_model.py: its per-system byte formulas (ours at stages 0-3, and with
+    offload_optimizer: cpu, where host and device are one memory) against the engine's own
+    memory_report() on the fake process group; N = 4 tells Ψ terms from Ψ/N terms."""
+    largest_model = _import_bench("largest_model")
+    rows = largest_model.check_plan(4)
+    assert len(rows) == 7
+    for name, psi, engine_bytes, formula_bytes in rows:
+        # Beyond the formula only AdamW's 4-byte step counters (one per optimised tensor; the
+        # 2-block GPT-2 has 28 parameter tensors).
+        assert 0 <= engine_bytes - formula_bytes <= 4 * 28, (name, psi, engine_bytes / psi, formula_bytes / psi)
+    # The table: DDP holds 20 bytes per parameter, so its largest model is the budget // 20.
+    gib = 2**30
+    assert largest_model.main(["--world-size", "2", "--ram", "24GiB", "--reserve-per-rank", "2GiB",
+                               "--disk", "70e9"]) == 0
+    out = capsys.readouterr().out
+    ddp = next(l for l in out.splitlines() if l.startswith("| DDP"))
+    assert f"({(12 * gib - 2 * gib) // 20:,})" in ddp, ddp
+    assert "| DeepSpeed |" in out
