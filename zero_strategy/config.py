@@ -213,7 +213,8 @@ class ZeroConfig:
     model's forward runs under ``torch.autocast`` in `precision`'s dtype (what stock
     Accelerate and Lightning do with ``mixed_precision``: the same numbers as their
     autocast training, at fp32's memory and all-gather bytes). fp16 scales the loss
-    either way. Needs `precision` bf16 or fp16."""
+    either way. With `precision` fp32 there is nothing to autocast: plain fp32 (so a
+    framework's precision flag can decide, as Lightning's and Accelerate's do)."""
 
     reduce_bucket_size: int = 5_000_000
     """Elements of gradients gathered into one reduce(-scatter) call (>= 1). Bigger
@@ -379,11 +380,6 @@ class ZeroConfig:
         for flag in ("autocast", "offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):
             if not isinstance(getattr(self, flag), bool):
                 raise _type_error(flag, getattr(self, flag), "true or false")
-        if self.autocast and self.precision == "fp32":
-            raise ValueError(
-                "ZeroConfig.autocast=True runs the forward under torch.autocast in a 16-bit dtype: set precision "
-                "to 'bf16' or 'fp16', or leave autocast False for fp32 training"
-            )
         if self.on_min_loss_scale not in _MIN_LOSS_SCALE_POLICIES:
             raise ValueError(
                 f"ZeroConfig.on_min_loss_scale must be one of {', '.join(map(repr, _MIN_LOSS_SCALE_POLICIES))}, "
@@ -430,8 +426,8 @@ class ZeroConfig:
 
     @property
     def autocast_dtype(self):
-        """The dtype torch.autocast computes in, or None without `autocast`."""
-        return _torch_dtype(self.precision) if self.autocast else None
+        """The dtype torch.autocast computes in, or None (no `autocast`, or fp32)."""
+        return _torch_dtype(self.precision) if self.autocast and self.precision != "fp32" else None
 
     @property
     def model_state_precision(self) -> str:

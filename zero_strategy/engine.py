@@ -716,7 +716,7 @@ class ZeroEngine:
         what = (f", unit modules {', '.join(s['unit_modules']) or '(root only)'} ({len(s['groups'])} gather groups{merged})"
                 if s["groups"] else "")
         cfg = self.config
-        precision = (f"{cfg.precision} autocast over fp32 parameters" if cfg.autocast
+        precision = (f"{cfg.precision} autocast over fp32 parameters" if cfg.autocast_dtype is not None
                      else f"{cfg.precision} with fp32 master weights" if cfg.is_mixed_precision else "fp32")
         return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s): {s['num_units']} flat units{what}; "
                 f"{precision}; model states {mb:.1f} MiB on this rank now")

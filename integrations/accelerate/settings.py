@@ -82,12 +82,7 @@ class ZeroSettings:
 
         check_mixed_precision(mixed_precision)
         precision = _PRECISION_FROM_ACCELERATE[str(mixed_precision or "no").lower()]
-        fields = dict(self.engine)
-        if precision == "fp32":
-            # `autocast: true` says how to do mixed precision when it is on; a script's
-            # own Accelerator() without mixed_precision trains in fp32 as usual.
-            fields.pop("autocast", None)
-        return ZeroConfig.from_dict({**fields, "precision": precision})
+        return ZeroConfig.from_dict({**self.engine, "precision": precision})
 
 
 def check_mixed_precision(mixed_precision: Any) -> None:
@@ -207,7 +202,7 @@ def parse_section(section: Any) -> ZeroSettings:
     from zero_strategy.config import ZeroConfig
 
     try:
-        ZeroConfig.from_dict({**engine, "precision": "bf16" if engine.get("autocast") is True else "fp32"})
+        ZeroConfig.from_dict({**engine, "precision": "fp32"})
     except (ValueError, TypeError) as exc:
         raise ValueError(f"{SECTION}: {_yaml_names(str(exc))}") from None
     return ZeroSettings(engine=engine, **flags)
