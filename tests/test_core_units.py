@@ -144,6 +144,41 @@ def test_sharded_grads_accumulate_reduce_and_free_between_steps():
     assert torch.equal(grads.reduced(), torch.zeros(layout.shard_numel))  # re-grown as zeros
 
 
+def test_sharded_grads_make_no_bucket_while_only_small_gradients_arrived():
+    # The root unit's final norm gets its gradient first in backward, its embedding last:
+    # no unit-sized bucket may sit beside the activations until a large gradient comes.
+    params = _params(shapes=((100, 10), (4,), (4,)))
+    layout = FlatLayout(tuple(p.numel() for p in params), 2)
+    grads = ShardedGrads(params, layout, 0, compute_dtype=torch.float32, reduce_dtype=torch.float32, device=torch.device("cpu"))
+    local = [torch.randn_like(p) for p in params]
+    before = grads.bytes()["gradients"]
+    for i in (2, 1):
+        params[i].grad = local[i].clone()
+        grads.accept(i)
+        assert grads.bucket is None and params[i].grad is not None
+    assert grads.bytes()["communication_buffers"] == 0 and grads.bytes()["gradients"] == before + 8 * 4
+    params[0].grad = local[0].clone()
+    grads.accept(0)
+    assert grads.bucket is not None and all(p.grad is None for p in params)
+    full = grads.reduction_input(1)
+    torch.testing.assert_close(full[: layout.numels[0] + 8], torch.cat([g.reshape(-1) for g in local]))
+    # Only small gradients in a backward: the reduction makes the bucket from them.
+    grads.zero()
+    params[1].grad = local[1].clone()
+    grads.accept(1)
+    assert grads.bucket is None
+    full = grads.reduction_input(1)
+    off = layout.offsets[1]
+    assert torch.equal(full[off : off + 4], local[1]) and params[1].grad is None
+    assert int(torch.count_nonzero(full)) == 4
+    # zero() before the reduction drops what waited in p.grad.
+    grads.zero()
+    params[2].grad = local[2].clone()
+    grads.accept(2)
+    grads.zero()
+    assert params[2].grad is None and grads.bucket is None
+
+
 def test_owner_slice_grads_keep_only_this_ranks_reduced_slice():
     params = _params()
     layout = FlatLayout(tuple(p.numel() for p in params), 2)

@@ -51,6 +51,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from .guard import set_guard
 from .param_shard import ShardState
 
 log = logging.getLogger("zero_strategy")
@@ -63,12 +64,38 @@ class ModuleGroup:
         self.name = name
         self.units = list(units)
         self.numel = sum(u.layout.padded_numel for u in self.units)
-        self.active = False  # a member's forward or backward is running (or the span between members)
+        self._active = False  # a member's forward or backward is running (or the span between members)
         self.in_backward_members = 0  # members whose backward started and has not finished
-        self.pinned = False  # used outside its module: kept gathered (see [Note: on-demand gathers])
+        self._pinned = False  # used outside its module: kept gathered (see [Note: on-demand gathers])
         self.held = False  # inside engine.keep_gathered(): not released until the region ends
         self.logged_on_demand = False
         self.logged_opaque = False
+
+    # Every use of an active or pinned group is allowed, so while it is one (and
+    # gathered) its parameters go without the guard's per-operation check
+    # ([Note: guard lifted while in use] in guard.py).
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = value
+        self._refresh_guard()
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    @pinned.setter
+    def pinned(self, value: bool) -> None:
+        self._pinned = value
+        self._refresh_guard()
+
+    def _refresh_guard(self) -> None:
+        in_use = self._active or self._pinned
+        for u in self.units:
+            set_guard(u, not in_use)
 
     @property
     def gathered(self) -> bool:

@@ -11,8 +11,8 @@ class                     stage                       what persists until step()
 :class:`ShardedGrads`     2 and 3                     this rank's reduced slice only;
                                                       the full-size gradient is a
                                                       bucket that lives from the
-                                                      unit's first gradient to the end
-                                                      of its reduce-scatter
+                                                      unit's first large gradient to
+                                                      the end of its reduce-scatter
 ========================  ==========================  ===============================
 
 Each exposes the same small protocol to the reducer (:meth:`accept`, ``complete``,
@@ -237,10 +237,20 @@ class ShardedGrads(_GradStorage):
         self.offloaded = slice_device is not None
         pin = self.offloaded and self.device.type == "cuda"
         dtype = torch.float32 if self.offloaded else self.reduce_dtype
-        self.slice = torch.zeros(n, dtype=dtype, device=slice_device or self.device, pin_memory=pin)
-        self.bucket: Optional[torch.Tensor] = None  # the full-size gradient, during backward
+        where = slice_device or self.device
         # (Not on the meta device: planning dry runs report the model states of a step.)
-        self._frees_between_steps = not self.offloaded and self.slice.device.type != "meta"
+        self._frees_between_steps = not self.offloaded and torch.device(where).type != "meta"
+        if self._frees_between_steps:
+            # Born as zero() leaves it: no storage until the first reduction grows it.
+            self.slice = torch.empty(n, dtype=dtype, device=where)
+            self.slice.untyped_storage().resize_(0)
+        else:
+            self.slice = torch.zeros(n, dtype=dtype, device=where, pin_memory=pin)
+        self.bucket: Optional[torch.Tensor] = None  # the full-size gradient, during backward
+        # Small gradients that arrived before the bucket exists stay in ``p.grad``
+        # ([Note: deferred bucket]); position -> numel.
+        self._deferred: dict = {}
+        self._deferred_numel = 0
         self._slice_fresh = True
 
     def _new_full(self) -> torch.Tensor:
@@ -249,19 +259,47 @@ class ShardedGrads(_GradStorage):
         room = torch.zeros(self.layout.padded_numel + HEADER_ROOM, dtype=self.compute_dtype, device=self.device)
         return room[: self.layout.padded_numel]
 
+    # [Note: deferred bucket]
+    # A unit's parameters may be used far apart: the root unit holds the final norm
+    # (its gradient comes first in backward) and the embedding (its gradient comes
+    # last).  Allocating the unit-sized bucket at the first gradient would keep it
+    # beside every activation for the whole backward, at the moment memory peaks.  So
+    # gradients that together stay under an eighth of the unit wait in ``p.grad`` (where
+    # autograd put them; no copy, no more memory than the bucket would use) and the
+    # bucket is made when a larger one arrives or the unit is reduced.
+
     def accept(self, pos: int) -> None:
         p = self.params[pos]
         if p.grad is not None:
-            if self.bucket is None:
-                self.bucket = self._new_full()
-            self._view(self.bucket, pos).add_(p.grad)
-            p.grad = None
             self.received.add(pos)
+            if self.bucket is None:
+                if pos not in self._deferred:
+                    self._deferred[pos] = p.numel()
+                    self._deferred_numel += p.numel()
+                if self._deferred_numel * 8 < self.layout.padded_numel:
+                    self.ready.add(pos)
+                    return
+                self._make_bucket()
+            else:
+                self._take(pos)
         self.ready.add(pos)
+
+    def _take(self, pos: int) -> None:
+        p = self.params[pos]
+        self._view(self.bucket, pos).add_(p.grad)
+        p.grad = None
+
+    def _make_bucket(self) -> None:
+        self.bucket = self._new_full()
+        for pos in self._deferred:
+            if self.params[pos].grad is not None:
+                self._take(pos)
+        self._deferred.clear()
+        self._deferred_numel = 0
 
     def reduction_input(self, world_size: int) -> torch.Tensor:
         if self.bucket is None:
-            self.bucket = self._new_full()
+            self._make_bucket()
         return self._prescaled(self.bucket, world_size)
 
     def _regrow(self) -> bool:
@@ -305,13 +343,18 @@ class ShardedGrads(_GradStorage):
         else:
             self.slice.zero_()
         self.bucket = None
+        for pos in self._deferred:  # a backward that never reached this unit's reduction
+            self.params[pos].grad = None
+        self._deferred.clear()
+        self._deferred_numel = 0
         self._slice_fresh = True
         self.ready.clear()
         self.received.clear()
 
     def bytes(self) -> dict:
         slice_bytes = _nbytes(self.slice)
-        return {"gradients": slice_bytes, "communication_buffers": _nbytes(self.bucket),
+        deferred = sum(_nbytes(self.params[pos].grad) for pos in self._deferred)
+        return {"gradients": slice_bytes + deferred, "communication_buffers": _nbytes(self.bucket),
                 "offloaded": slice_bytes if self.offloaded else 0}
 
 

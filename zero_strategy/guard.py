@@ -9,9 +9,18 @@ metadata through (shape, dtype, device, ``.grad``, ``requires_grad``, no-op ``.t
 and hands every other use to the gatherer (gather.py, [Note: on-demand gathers]): a
 use inside the training window is gathered on demand; outside it the use raises a
 :class:`PartitionedParameterError` naming the parameter and the way to read it
-(``engine.gathered_parameters``, ``engine.full_state_dict``).  Its cost is one Python
-call per operation that takes the parameter directly (a Linear's matmul, not its
-activations).
+(``engine.gathered_parameters``, ``engine.full_state_dict``).
+
+[Note: guard lifted while in use]
+The check costs one Python call per operation that takes the parameter directly (a
+Linear's matmul, not its activations): on models of many small layers, a tenth of a
+step.  While a module group is in use (its forward or backward is running, or it is
+pinned for backward, or held by keep_gathered()) and every unit of it is gathered,
+the gatherer would allow every use without doing anything, so the guard steps aside:
+:func:`set_guard` turns the group's parameters back into plain ``nn.Parameter``s
+(``__class__`` only; their bookkeeping stays), and back when the group leaves that
+state.  Freeing a unit's storage always puts the guard back first (the shard's
+``on_free``), so no parameter is ever unguarded while its values are gone.
 """
 from __future__ import annotations
 
@@ -178,30 +187,46 @@ def guard_parameters(units, on_access=None) -> None:
             p._zero_name = names[0]
             if on_access is not None:
                 p._zero_access = on_access
+        unit.params_store.on_free = lambda u=unit: set_guard(u, True)
 
 
 def unguard_parameters(units) -> None:
     for unit in units:
+        unit.params_store.on_free = None
         for p in unit.params:
-            if type(p) is PartitionedParameter:
+            if type(p) is PartitionedParameter or "_zero_unit" in p.__dict__:
                 _unguard(p)
 
 
+def set_guard(unit, on: bool) -> None:
+    """Guard (``on``) or lift the guard of a guarded unit's parameters ([Note: guard
+    lifted while in use]); lifting needs the unit gathered."""
+    if unit.closed or not unit.params or "_zero_unit" not in unit.params[0].__dict__:
+        return  # never guarded (kept whole) or handed back by close()
+    if not on and unit.state is not ShardState.GATHERED:
+        on = True
+    cls = PartitionedParameter if on else nn.Parameter
+    for p in unit.params:
+        p.__class__ = cls
+
+
+def is_partitioned(p) -> bool:
+    """``p`` is a stage-3 parameter of an open engine (whether or not its guard is lifted now)."""
+    unit = p.__dict__.get("_zero_unit")
+    return unit is not None and not unit.closed
+
+
 def lift_guard(units) -> list:
-    """While every partitioned parameter is gathered and held (keep_gathered.py), the
-    guard has nothing to check, yet costs a Python call per operation: make them plain
-    parameters (their bookkeeping stays); returns those changed, for :func:`restore_guard`."""
+    """While every partitioned parameter is gathered and held (keep_gathered.py), lift
+    the guard of each gathered unit; returns the units lifted, for :func:`restore_guard`."""
     lifted = []
     for unit in units:
-        for p in unit.params:
-            if type(p) is PartitionedParameter:
-                p.__class__ = nn.Parameter
-                lifted.append(p)
+        if unit.state is ShardState.GATHERED and unit.params and type(unit.params[0]) is PartitionedParameter:
+            set_guard(unit, False)
+            lifted.append(unit)
     return lifted
 
 
-def restore_guard(params) -> None:
-    for p in params:
-        unit = p.__dict__.get("_zero_unit")
-        if type(p) is nn.Parameter and unit is not None and not unit.closed:
-            p.__class__ = PartitionedParameter
+def restore_guard(units) -> None:
+    for unit in units:
+        set_guard(unit, True)

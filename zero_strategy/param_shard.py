@@ -230,7 +230,11 @@ class ParamShard:
         self.finish_gather()
         self._free_full()
 
+    on_free = None  # stage 3: puts the parameters' guard back before their values go (guard.py)
+
     def _free_full(self) -> None:
+        if self.on_free is not None:
+            self.on_free()
         self.full.untyped_storage().resize_(0)
         self.state = ShardState.SHARDED
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from zero_strategy import engine_of
-from zero_strategy.guard import PartitionedParameter
+from zero_strategy.guard import is_partitioned
 
 
 def leave_engine_on_conversion(model: nn.Module) -> None:
@@ -57,7 +57,7 @@ def _unchanged_by(engine, fn) -> bool:
     (``Tensor.to`` and friends return the tensor itself when nothing changes)."""
     module = engine.module
     for p in module.parameters():
-        if isinstance(p, PartitionedParameter):
+        if is_partitioned(p):
             return False  # a 1/N slice is not the parameter
         if p.dtype != engine.orig_dtype_by_id.get(id(p), p.dtype):
             return False  # a 16-bit compute copy of an fp32 master
