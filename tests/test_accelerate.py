@@ -323,11 +323,14 @@ def test_loop_matches_ddp_fp32(launcher, stage):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_loop_matches_ddp_bf16(launcher, stage):
+def test_loop_matches_ddp_bf16(launcher):
+    """--mixed_precision bf16 reaches the engine as bf16 compute on fp32 masters.  One
+    stage is enough here: the section's precision is mapped the same way at every stage
+    (settings.zero_config), and the engine's bf16 arithmetic at stages 0-3 is compared
+    with a single-process reference in tests/test_parity.py."""
     ref, _ = launcher.loop("ddp_bf16", "ddp", "bf16")
-    extra = ["--save-state-at", "3", "--state-dir", str(launcher.root / "state_zero3_bf16")] if stage == 3 else []
-    got, _ = launcher.loop(f"zero{stage}_bf16", f"zero{stage}", "bf16", extra=extra)
+    got, _ = launcher.loop("zero3_bf16", "zero3", "bf16",
+                           extra=["--save-state-at", "3", "--state-dir", str(launcher.root / "state_zero3_bf16")])
     assert got["mixed_precision"] == "bf16" and got["accelerator_class"] == "ZeroAccelerator"
     # DDP autocasts an fp32 model; ZeRO computes in bf16 parameters with fp32 masters.
     assert _close(got["losses"], ref["losses"], rtol=2e-2), (got["losses"], ref["losses"])
@@ -579,16 +582,3 @@ def test_zero3_init_flag_loop_matches_ddp_from_pretrained(launcher):
     assert abs(fresh["losses"][0] - ref["losses"][0]) > 1e-3  # the checkpoint's weights are really used
     assert _close(got["losses"], ref["losses"], rtol=1e-5), (got["losses"], ref["losses"])
     assert _close(got["grad_norms"], ref["grad_norms"], rtol=1e-4)
-
-
-@pytest.mark.slow
-def test_zero3_init_flag_trainer_matches_ddp_from_pretrained(launcher):
-    pretrained = _save_pretrained_gpt2(launcher.root / "pretrained32", 32)
-    launcher.configs["zero3_init"] = _write_config(launcher.root / "zero3_init.yaml", 3, "  zero3_init_flag: true\n")
-    args = ["--from-pretrained", str(pretrained)]
-    ref, _ = launcher.trainer("trainer_ddp_pretrained", "ddp", extra=args)
-    got, _ = launcher.trainer("trainer_zero3_init", "zero3_init", extra=args)
-    assert got["built_on_meta"] == [True, True] and ref["built_on_meta"] == [False, False]
-    assert _close(_steps(got["losses"]), _steps(ref["losses"]), rtol=1e-5), (got["losses"], ref["losses"])
-    assert _close(_steps(got["eval_losses"]), _steps(ref["eval_losses"]), rtol=1e-5)
-    assert got["generations"] == ref["generations"]
