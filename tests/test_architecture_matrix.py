@@ -1,0 +1,227 @@
+"""The full architecture matrix (opt-in): every zoo model x every stage x fp32/bf16 x 2/3
+ranks x the ways users change a model, each job against a single-process reference.
+
+Run it with ``ZERO_FULL_MATRIX=1`` (it takes hours on 2 cores, so CI skips it and runs
+the subsets in tests/test_architectures.py and tests/test_architecture_variants.py)::
+
+    ZERO_FULL_MATRIX=1 .venv/bin/python -m pytest -q -s tests/test_architecture_matrix.py
+    ZERO_FULL_MATRIX=1 .venv/bin/python -m pytest -q -s tests/test_architecture_matrix.py -k "llama and ws3"
+
+The axes:
+
+* models: all of tests/zoo.py (the eleven architectures plus fused_head and parent_child);
+* stage configurations: test_architectures.CONFIGS - stages 0, 1, 2, 3 at the default
+  ``param_persistence_threshold``, and stage 3 at threshold 0 (every parameter
+  partitioned) with the default ``min_gather_numel`` (the tiny model is one gather) and
+  with ``min_gather_numel=0`` (one gather per block);
+* precision: fp32 and bf16 (``precision="bf16"``: a bf16 copy of fp32 masters);
+* world size: 2 and 3 gloo processes;
+* variant: plain; a frozen input embedding (``requires_grad_(False)``, not in the
+  optimizer; ViT's patch projection, many_linear's input layer); ``torch.compile`` of the
+  model at stages 2 and 3; transformers' gradient checkpointing at stage 3 (the models
+  built by transformers, fused_head's inner Llama included).
+
+One process group per (model, world size) runs all that model's jobs; a job that raises
+is recorded and the next job runs, so one test reports every failing job of its model.
+The reference is plain torch on one process over the same global batches, split as the
+ranks split them, with the same variant (a compiled reference for compile jobs).
+Tolerances are the subset tests': fp32 losses to 1e-5 relative, parameters to rtol
+1e-5 / atol 2e-6 (test_architectures); bf16 is compared with a plain-torch bf16 copy of
+fp32 masters to 2e-2 on losses and 1e-2 on parameters (test_architecture_variants):
+bf16 keeps 8 mantissa bits (relative rounding 2^-9 = 2e-3 per operation), rounding
+follows the reduction order, which differs between a rank-split and a one-process
+backward, and Adam (lr 1e-2) turns such a difference in a gradient's sign into an
+update of up to lr per step; a missing gradient or a skipped update is still far
+beyond that.  A frozen weight must come back bit-equal to what was loaded, in bf16 too.
+Each job's largest loss and parameter differences are printed (``-s``).
+"""
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+
+import zoo
+from dist_harness import run_distributed
+from test_architectures import CONFIGS, GLOBAL_BATCH, STEPS, _optimizer
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("ZERO_FULL_MATRIX") != "1",
+                       reason="the full architecture matrix takes hours: set ZERO_FULL_MATRIX=1 to run it"),
+]
+
+# Built by transformers, so they have gradient checkpointing (fused_head wraps a Llama).
+HF = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "t5", "bert", "vit", "fused_head")
+PRECISIONS = ("fp32", "bf16")
+WORLD_SIZES = (2, 3)
+VARIANTS = ("plain", "frozen_embedding", "compile", "grad_ckpt")
+FP32_TOL = dict(loss=1e-5, rtol=1e-5, atol=2e-6)
+BF16_TOL = dict(loss=2e-2, rtol=1e-2, atol=1e-2)
+
+
+def variant_applies(name: str, variant: str, stage: int) -> bool:
+    if variant == "compile":
+        return stage >= 2
+    if variant == "grad_ckpt":
+        return stage == 3 and name in HF
+    return True
+
+
+def jobs_of(name: str):
+    """(stage, threshold, min_gather_numel, precision, variant) of every job of one model."""
+    return [(stage, thr, mg, prec, variant) for variant in VARIANTS for prec in PRECISIONS
+            for stage, thr, mg in CONFIGS if variant_applies(name, variant, stage)]
+
+
+def frozen_weight(name: str, model):
+    if name == "vit":
+        return model.vit.embeddings.patch_embeddings.projection.weight
+    if name == "many_linear":
+        return model.inp.weight
+    if name == "fused_head":
+        return model.lm.get_input_embeddings().weight
+    if hasattr(model, "get_input_embeddings"):
+        return model.get_input_embeddings().weight
+    return model.embed.weight
+
+
+def apply_variant(name: str, model, variant: str):
+    if variant == "frozen_embedding":
+        frozen_weight(name, model).requires_grad_(False)
+    elif variant == "grad_ckpt":
+        hf = model.lm if name == "fused_head" else model
+        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    return model
+
+
+def reference(name: str, precision: str, variant: str, ws: int):
+    """Plain torch on one process: fp32, or a bf16 copy of fp32 masters that runs forward
+    and backward, its gradients averaged in fp32, AdamW stepping the masters."""
+    master = apply_variant(name, zoo.build_model(name), variant)
+    compute = master if precision == "fp32" else apply_variant(name, zoo.build_model(name), variant).to(torch.bfloat16)
+    run = torch.compile(compute) if variant == "compile" else compute
+    opt = _optimizer(master)
+    losses = []
+    for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
+        opt.zero_grad(set_to_none=True)
+        if compute is not master:
+            with torch.no_grad():
+                for c, m in zip(compute.parameters(), master.parameters()):
+                    c.copy_(m)
+            compute.zero_grad(set_to_none=True)
+        total = 0.0
+        for r in range(ws):
+            loss = zoo.loss_of(name, run, zoo.shard(batch, r, ws))
+            (loss / ws if compute is master else loss).backward()
+            total += float(loss) / ws
+        if compute is not master:
+            for c, m in zip(compute.parameters(), master.parameters()):
+                m.grad = None if c.grad is None else c.grad.float() / ws
+        opt.step()
+        losses.append(total)
+    return losses, {n: p.detach().clone() for n, p in master.named_parameters()}
+
+
+def _one_job(rank, ws, name, job):
+    import zero_strategy
+
+    stage, threshold, min_gather, precision, variant = job
+    model = apply_variant(name, zoo.build_model(name), variant)
+    cfg = dict(stage=stage, reduce_bucket_size=20_000, collective_timeout=120.0)
+    if threshold is not None:
+        cfg["param_persistence_threshold"] = threshold
+    if min_gather is not None:
+        cfg["min_gather_numel"] = min_gather
+    if precision == "bf16":
+        cfg["precision"] = "bf16"
+    engine = zero_strategy.initialize(model, _optimizer(model), cfg)
+    run = torch.compile(model) if variant == "compile" else model
+    losses = []
+    for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
+        loss = zoo.loss_of(name, run, zoo.shard(batch, rank, ws))
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().float().reshape(1) / ws
+        torch.distributed.all_reduce(t)
+        losses.append(float(t))
+    sd = engine.full_state_dict()
+    engine.close()
+    return losses, sd
+
+
+def _worker(rank, ws, name, jobs):
+    import time
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    out = {}
+    for job in jobs:
+        start = time.monotonic()
+        try:
+            result = _one_job(rank, ws, name, job)
+        except Exception:  # noqa: BLE001 - recorded; the test reports every failing job
+            result = traceback.format_exc()
+        # Every rank finishes the job before the next starts (a rank that failed early
+        # does not run ahead into the next job's collectives).
+        torch.distributed.barrier()
+        out[job] = result if rank == 0 else None
+        if rank == 0:  # progress, for a run of hours
+            print(f"MATRIX-JOB {name} ws{ws} {job} {'raised' if isinstance(result, str) else 'ran'} "
+                  f"{time.monotonic() - start:.1f}s", flush=True)
+    return out
+
+
+def check_job(name, ws, job, got, ref, start_frozen):
+    """None if ``got`` matches ``ref``, else why not; also the largest differences."""
+    if isinstance(got, str):
+        return f"raised:\n{got}", None
+    _, _, _, precision, variant = job
+    tol = FP32_TOL if precision == "fp32" else BF16_TOL
+    losses, sd = got
+    ref_losses, ref_params = ref
+    loss_diff = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, ref_losses))
+    param_diff, problems = 0.0, []
+    if loss_diff > tol["loss"]:
+        problems.append(f"losses {losses} vs {ref_losses}")
+    for n, want in ref_params.items():
+        if n not in sd:
+            problems.append(f"{n} missing from full_state_dict")
+            continue
+        have = sd[n].float()
+        param_diff = max(param_diff, float((have - want).abs().max()))
+        bad = (have - want).abs() > tol["atol"] + tol["rtol"] * want.abs()
+        if bad.any():
+            problems.append(f"{n}: {int(bad.sum())}/{bad.numel()} elements off, largest {float((have - want).abs().max()):.3g}")
+    if variant == "frozen_embedding":
+        n = next(k for k, v in ref_params.items() if v.shape == start_frozen.shape and torch.equal(v, start_frozen))
+        if not torch.equal(sd[n], start_frozen):
+            problems.append(f"frozen {n} ({sd[n].dtype}) is not bit-equal to what was loaded: "
+                            f"{float((sd[n].float() - start_frozen).abs().max()):.3g} off")
+    return ("; ".join(problems) or None), (loss_diff, param_diff)
+
+
+@pytest.mark.parametrize("ws", WORLD_SIZES, ids=lambda w: f"ws{w}")
+@pytest.mark.parametrize("name", zoo.NAMES)
+def test_full_matrix(name, ws):
+    jobs = jobs_of(name)
+    results = run_distributed(_worker, ws, name, jobs, timeout=3 * 3600)[0]
+    start_frozen = frozen_weight(name, zoo.build_model(name)).detach().clone()
+    refs, failures = {}, []
+    for job in jobs:
+        _, _, _, precision, variant = job
+        if (precision, variant) not in refs:
+            refs[precision, variant] = reference(name, precision, variant, ws)
+        why, diffs = check_job(name, ws, job, results[job], refs[precision, variant], start_frozen)
+        figures = "" if diffs is None else f"loss {diffs[0]:.2e} param {diffs[1]:.2e}"
+        print(f"MATRIX {name} ws{ws} {job} {'FAIL' if why else 'ok'} {figures}", flush=True)
+        if why:
+            failures.append(f"{name} ws{ws} {job}: {why}")
+    assert not failures, f"{len(failures)}/{len(jobs)} jobs failed:\n" + "\n".join(failures)
