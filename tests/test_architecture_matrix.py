@@ -70,9 +70,9 @@ def variant_applies(name: str, variant: str, stage: int) -> bool:
     return True
 
 
-def jobs_of(name: str):
+def jobs_of(name: str, variants=VARIANTS):
     """(stage, threshold, min_gather_numel, precision, variant) of every job of one model."""
-    return [(stage, thr, mg, prec, variant) for variant in VARIANTS for prec in PRECISIONS
+    return [(stage, thr, mg, prec, variant) for variant in variants for prec in PRECISIONS
             for stage, thr, mg in CONFIGS if variant_applies(name, variant, stage)]
 
 
@@ -161,6 +161,7 @@ def _worker(rank, ws, name, jobs):
 
     import transformers
 
+    _compile_limits()
     transformers.logging.set_verbosity_error()
     out = {}
     for job in jobs:
@@ -208,10 +209,28 @@ def check_job(name, ws, job, got, ref, start_frozen):
     return ("; ".join(problems) or None), (loss_diff, param_diff)
 
 
+def _compile_limits():
+    # Every compile job of a model runs in one process: without a higher limit dynamo
+    # would, after 8 recompilations of a frame, silently run it eagerly.
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+
+
 @pytest.mark.parametrize("ws", WORLD_SIZES, ids=lambda w: f"ws{w}")
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_full_matrix(name, ws):
-    jobs = jobs_of(name)
+    _run_jobs(name, ws, jobs_of(name, [v for v in VARIANTS if v != "compile"]))
+
+
+# Last: each compilation costs tens of seconds on 2 cores (most of the matrix's time).
+@pytest.mark.parametrize("ws", WORLD_SIZES, ids=lambda w: f"ws{w}")
+@pytest.mark.parametrize("name", zoo.NAMES)
+def test_full_matrix_compiled(name, ws):
+    _compile_limits()
+    _run_jobs(name, ws, jobs_of(name, ["compile"]))
+
+
+def _run_jobs(name, ws, jobs):
     results = run_distributed(_worker, ws, name, jobs, timeout=3 * 3600)[0]
     start_frozen = frozen_weight(name, zoo.build_model(name)).detach().clone()
     refs, failures = {}, []
