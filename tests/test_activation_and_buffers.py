@@ -116,14 +116,15 @@ def test_communication_buffers_stay_bounded_as_the_model_grows():
     bucket = 20_000
     results = run_distributed(_buffer_worker, 2, (2, 8), bucket)[0]
     for r in results:
-        bound = 2 * max(bucket, r["largest"])
+        # Two buckets in flight; a unit bigger than that alone.
+        bound = max(2 * bucket, r["largest"])
         assert r["peak"] <= bound, r
     small = [r for r in results if r["n_layer"] == 2]
     big = [r for r in results if r["n_layer"] == 8]
     for s, b in zip(small, big):
         assert b["psi"] > 2.5 * s["psi"]
         # Stage 2: same bound for a model 3x the size. Stage 3: one block at a time.
-        assert b["peak"] <= 2 * max(bucket, s["largest"], b["largest"])
+        assert b["peak"] <= max(2 * bucket, s["largest"], b["largest"])
 
 
 def test_stage_0_and_1_gradients_are_views_of_one_preallocated_flat_buffer():

@@ -216,10 +216,12 @@ class ZeroEngine:
             self.optimizer = ZeroOptimizer(self)
         guard_misuse(self)  # the inner optimizer's own step(), torch's clip_grad_norm_ ([Note: silent misuse])
 
-        largest = max((u.layout.padded_numel for u in self.trainable_units), default=0)
+        # C_B: two buckets' worth in flight; a unit bigger than that is reduced alone.
+        # (Not twice the largest unit: one big root unit would let every block's bucket
+        # pile up beside the activations in backward.)
         self.reducer = GradientReducer(
             self._reduction_order(plan), self.comm, overlap=pol.comm.overlap,
-            max_in_flight=2 * max(pol.comm.reduce_bucket_size, largest),
+            max_in_flight=2 * pol.comm.reduce_bucket_size,
         )
 
         self.gatherer: Optional[ParameterGatherer] = None

@@ -323,6 +323,11 @@ class ShardedGrads(_GradStorage):
                 self.slice.copy_(reduced)
             else:
                 self.slice.add_(reduced)
+        if self.bucket is not None:
+            # The collective is done with it, but the communicator keeps its last few
+            # work handles (and through them this buffer) alive for a while ([Note:
+            # keeping recent work handles] in comm.py): give the memory back now.
+            self.bucket.untyped_storage().resize_(0)
         self.bucket = None
         self._slice_fresh = False
         self.ready.clear()

@@ -23,7 +23,9 @@ import torch
 
 class GradientReducer:
     """Launches each trainable unit's gradient collective in the fixed order, keeping at
-    most ``max_in_flight`` elements of buckets in flight (the paper's C_B bound).
+    most ``max_in_flight`` elements of buckets in flight (the paper's C_B bound; a unit
+    larger than the bound waits until nothing else is in flight and then goes alone, so
+    the peak is at most max(max_in_flight, largest unit)).
     Which collective, and whether to reduce inside no_sync, is the unit's gradient
     storage's to say (see :mod:`~zero_strategy.grad_storage`)."""
 
