@@ -32,8 +32,16 @@ bf16 keeps 8 mantissa bits (relative rounding 2^-9 = 2e-3 per operation), roundi
 follows the reduction order, which differs between a rank-split and a one-process
 backward, and Adam (lr 1e-2) turns such a difference in a gradient's sign into an
 update of up to lr per step; a missing gradient or a skipped update is still far
-beyond that.  A frozen weight must come back bit-equal to what was loaded, in bf16 too.
-Each job's largest loss and parameter differences are printed (``-s``).
+beyond that.  Where bf16 alone moves a parameter further, the parameter tolerance is
+1.5x that measured noise: the largest difference between the reference and plain-torch
+bf16 runs of the same global batches split into other numbers of micro-batches
+(torch_transformer: 1.35e-2 between 3 and 2 micro-batches, one element of 2048 beyond
+1e-2).  A frozen weight must come back bit-equal to what was loaded, in bf16 too.
+Each job's largest loss and parameter differences (and that bf16 noise) are printed
+(``-s``).
+
+CI runs test_every_model_meets_every_variant_in_ci only: one job per model combining
+3 ranks, bf16, a frozen embedding and gradient checkpointing.
 """
 from __future__ import annotations
 
@@ -45,13 +53,11 @@ import torch
 
 import zoo
 from dist_harness import run_distributed
-from test_architectures import CONFIGS, GLOBAL_BATCH, STEPS, _optimizer
+from test_architectures import CONFIGS, GLOBAL_BATCH, SOME_MERGED, STEPS, _optimizer
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("ZERO_FULL_MATRIX") != "1",
-                       reason="the full architecture matrix takes hours: set ZERO_FULL_MATRIX=1 to run it"),
-]
+pytestmark = pytest.mark.slow
+full_matrix_only = pytest.mark.skipif(os.environ.get("ZERO_FULL_MATRIX") != "1",
+                                      reason="the full architecture matrix takes hours: set ZERO_FULL_MATRIX=1 to run it")
 
 # Built by transformers, so they have gradient checkpointing (fused_head wraps a Llama).
 HF = ("gpt2", "llama", "mistral", "qwen2", "mixtral", "t5", "bert", "vit", "fused_head")
@@ -89,9 +95,11 @@ def frozen_weight(name: str, model):
 
 
 def apply_variant(name: str, model, variant: str):
-    if variant == "frozen_embedding":
+    """``variant``: one of VARIANTS, or several joined by "+"."""
+    parts = variant.split("+")
+    if "frozen_embedding" in parts:
         frozen_weight(name, model).requires_grad_(False)
-    elif variant == "grad_ckpt":
+    if "grad_ckpt" in parts:
         hf = model.lm if name == "fused_head" else model
         if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x's name
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -106,7 +114,7 @@ def reference(name: str, precision: str, variant: str, ws: int):
     and backward, its gradients averaged in fp32, AdamW stepping the masters."""
     master = apply_variant(name, zoo.build_model(name), variant)
     compute = master if precision == "fp32" else apply_variant(name, zoo.build_model(name), variant).to(torch.bfloat16)
-    run = torch.compile(compute) if variant == "compile" else compute
+    run = torch.compile(compute) if "compile" in variant.split("+") else compute
     opt = _optimizer(master)
     losses = []
     for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
@@ -118,7 +126,10 @@ def reference(name: str, precision: str, variant: str, ws: int):
             compute.zero_grad(set_to_none=True)
         total = 0.0
         for r in range(ws):
-            loss = zoo.loss_of(name, run, zoo.shard(batch, r, ws))
+            part = zoo.shard(batch, r, ws)
+            if compute is not master:  # the engine casts floating inputs to the compute dtype
+                part = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in part.items()}
+            loss = zoo.loss_of(name, run, part)
             (loss / ws if compute is master else loss).backward()
             total += float(loss) / ws
         if compute is not master:
@@ -142,7 +153,7 @@ def _one_job(rank, ws, name, job):
     if precision == "bf16":
         cfg["precision"] = "bf16"
     engine = zero_strategy.initialize(model, _optimizer(model), cfg)
-    run = torch.compile(model) if variant == "compile" else model
+    run = torch.compile(model) if "compile" in variant.split("+") else model
     losses = []
     for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
         loss = zoo.loss_of(name, run, zoo.shard(batch, rank, ws))
@@ -180,12 +191,26 @@ def _worker(rank, ws, name, jobs):
     return out
 
 
-def check_job(name, ws, job, got, ref, start_frozen):
-    """None if ``got`` matches ``ref``, else why not; also the largest differences."""
+def bf16_noise(name, variant, ws, ref):
+    """The largest parameter difference between ``ref`` and plain-torch bf16 runs that
+    split the same global batches into other numbers of micro-batches: what bf16
+    rounding alone moves a parameter here (eager: compilation does not change it)."""
+    eager = "+".join(v for v in variant.split("+") if v != "compile") or "plain"
+    noise = 0.0
+    for split in (1, 2, 3, 6):
+        if split != ws:
+            other = reference(name, "bf16", eager, split)[1]
+            noise = max(noise, max(float((other[n] - want).abs().max()) for n, want in ref[1].items()))
+    return noise
+
+
+def check_job(name, ws, job, got, ref, start_frozen, noise=0.0):
+    """None if ``got`` matches ``ref``, else why not; also the largest differences.
+    ``noise`` (bf16): see bf16_noise; a bf16 parameter may be off by 1.5x that."""
     if isinstance(got, str):
         return f"raised:\n{got}", None
     _, _, _, precision, variant = job
-    tol = FP32_TOL if precision == "fp32" else BF16_TOL
+    tol = dict(FP32_TOL) if precision == "fp32" else dict(BF16_TOL, atol=max(BF16_TOL["atol"], 1.5 * noise))
     losses, sd = got
     ref_losses, ref_params = ref
     loss_diff = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, ref_losses))
@@ -200,8 +225,9 @@ def check_job(name, ws, job, got, ref, start_frozen):
         param_diff = max(param_diff, float((have - want).abs().max()))
         bad = (have - want).abs() > tol["atol"] + tol["rtol"] * want.abs()
         if bad.any():
-            problems.append(f"{n}: {int(bad.sum())}/{bad.numel()} elements off, largest {float((have - want).abs().max()):.3g}")
-    if variant == "frozen_embedding":
+            problems.append(f"{n}: {int(bad.sum())}/{bad.numel()} elements off, largest "
+                            f"{float((have - want).abs().max()):.3g} (atol {tol['atol']:.3g})")
+    if "frozen_embedding" in variant.split("+"):
         n = next(k for k, v in ref_params.items() if v.shape == start_frozen.shape and torch.equal(v, start_frozen))
         if not torch.equal(sd[n], start_frozen):
             problems.append(f"frozen {n} ({sd[n].dtype}) is not bit-equal to what was loaded: "
@@ -216,6 +242,17 @@ def _compile_limits():
     torch._dynamo.config.accumulated_recompile_limit = 4096
 
 
+def check_against_noise(name, ws, job, got, ref, start_frozen):
+    """check_job; a bf16 job that fails at the fixed tolerance is checked again against
+    the measured bf16 noise (returned, else None)."""
+    why, diffs = check_job(name, ws, job, got, ref, start_frozen)
+    if why is None or diffs is None or job[3] != "bf16":
+        return why, diffs, None
+    noise = bf16_noise(name, job[4], ws, ref)
+    return (*check_job(name, ws, job, got, ref, start_frozen, noise), noise)
+
+
+@full_matrix_only
 @pytest.mark.parametrize("ws", WORLD_SIZES, ids=lambda w: f"ws{w}")
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_full_matrix(name, ws):
@@ -223,6 +260,7 @@ def test_full_matrix(name, ws):
 
 
 # Last: each compilation costs tens of seconds on 2 cores (most of the matrix's time).
+@full_matrix_only
 @pytest.mark.parametrize("ws", WORLD_SIZES, ids=lambda w: f"ws{w}")
 @pytest.mark.parametrize("name", zoo.NAMES)
 def test_full_matrix_compiled(name, ws):
@@ -238,9 +276,34 @@ def _run_jobs(name, ws, jobs):
         _, _, _, precision, variant = job
         if (precision, variant) not in refs:
             refs[precision, variant] = reference(name, precision, variant, ws)
-        why, diffs = check_job(name, ws, job, results[job], refs[precision, variant], start_frozen)
+        why, diffs, noise = check_against_noise(name, ws, job, results[job], refs[precision, variant], start_frozen)
         figures = "" if diffs is None else f"loss {diffs[0]:.2e} param {diffs[1]:.2e}"
+        if noise is not None:
+            figures += f" bf16-noise {noise:.2e}"
         print(f"MATRIX {name} ws{ws} {job} {'FAIL' if why else 'ok'} {figures}", flush=True)
         if why:
             failures.append(f"{name} ws{ws} {job}: {why}")
     assert not failures, f"{len(failures)}/{len(jobs)} jobs failed:\n" + "\n".join(failures)
+
+
+def _covering_worker(rank, ws, cases):
+    return {(name, job): _worker(rank, ws, name, [job])[job] for name, job in cases}
+
+
+def test_every_model_meets_every_variant_in_ci():
+    """CI's share of the matrix (the full one is opt-in): one job per model that puts
+    the variants the subset tests give only some models together - 3 ranks, bf16, a
+    frozen embedding, gradient checkpointing (the transformers models) - at full
+    sharding with small blocks partly merged, against the same bf16 reference.  torch.compile
+    stays with test_architecture_variants (gpt2, parent_child): each compilation costs
+    tens of seconds here."""
+    cases = [(name, (3, 0, SOME_MERGED, "bf16", "frozen_embedding+grad_ckpt" if name in HF else "frozen_embedding"))
+             for name in zoo.NAMES]
+    results = run_distributed(_covering_worker, 3, cases, timeout=900)[0]
+    failures = []
+    for name, job in cases:
+        start_frozen = frozen_weight(name, zoo.build_model(name)).detach().clone()
+        why, _, _ = check_against_noise(name, 3, job, results[name, job], reference(name, "bf16", job[4], 3), start_frozen)
+        if why:
+            failures.append(f"{name} {job}: {why}")
+    assert not failures, "\n".join(failures)
