@@ -102,11 +102,17 @@ def _connector_strategy():
     return None
 
 
-def precision_note(precision_flag: str) -> str:
+def precision_note(precision_flag: str, autocast: bool = False) -> str:
     from ._common import requested_precision_flag
 
     fp16 = precision_flag == "16-mixed" or requested_precision_flag() in ("16-mixed", "16")
     dtype, extra = ("fp16", ", loss scaling in the engine") if fp16 else ("bf16", "")
+    if autocast:
+        note = (f"zero_strategy: {dtype} autocast inside the ZeRO engine (autocast=True): fp32 parameters, gradients "
+                f"and optimizer shards, the forward under torch.autocast({dtype}){extra}; no GradScaler")
+        if fp16 and precision_flag != "16-mixed":
+            note += " (Lightning's fallback to bf16 on CPU does not apply: the engine runs fp16 on CPU)"
+        return note
     note = (f"zero_strategy: {dtype} mixed precision inside the ZeRO engine: {dtype} parameters for forward and "
             f"backward, fp32 master weights in the optimizer shards, floating inputs cast at the model's forward{extra}; "
             "no torch.autocast and no GradScaler")
@@ -122,7 +128,9 @@ class _PrecisionNoteFilter(logging.Filter):
             if match:
                 strategy = _connector_strategy()
                 if type(strategy).__module__.startswith(__package__ + "."):
-                    record.msg = precision_note("bf16-mixed" if match.group(1) == "bfloat16" else "16-mixed")
+                    config = getattr(strategy, "config", None)
+                    record.msg = precision_note("bf16-mixed" if match.group(1) == "bfloat16" else "16-mixed",
+                                                autocast=bool(getattr(config, "autocast", False)))
                     record.args = ()
         except Exception:  # noqa: BLE001 - a log filter must never break logging
             pass
