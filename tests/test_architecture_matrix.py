@@ -40,8 +40,9 @@ bf16 runs of the same global batches split into other numbers of micro-batches
 Each job's largest loss and parameter differences (and that bf16 noise) are printed
 (``-s``).
 
-CI runs test_every_model_meets_every_variant_in_ci only: one job per model combining
-3 ranks, bf16, a frozen embedding and gradient checkpointing.
+test_every_model_meets_every_variant_in_ci (one job per model combining 3 ranks, bf16,
+a frozen embedding and gradient checkpointing) is meant for CI but runs only with
+ZERO_COVERING=1 until it is timed under 60 s on an idle machine.
 """
 from __future__ import annotations
 
@@ -290,6 +291,10 @@ def _covering_worker(rank, ws, cases):
     return {(name, job): _worker(rank, ws, name, [job])[job] for name, job in cases}
 
 
+# Not yet in CI: it took 122 s wall on 2 busy cores (the budget for widening CI is 60 s);
+# ZERO_COVERING=1 runs it (the full matrix includes its parts, though not combined).
+@pytest.mark.skipif(os.environ.get("ZERO_COVERING") != "1" and os.environ.get("ZERO_FULL_MATRIX") != "1",
+                    reason="the covering job set is not timed on an idle machine yet: set ZERO_COVERING=1")
 def test_every_model_meets_every_variant_in_ci():
     """CI's share of the matrix (the full one is opt-in): one job per model that puts
     the variants the subset tests give only some models together - 3 ranks, bf16, a
