@@ -155,14 +155,7 @@ def _one_job(rank, ws, name, job):
         cfg["precision"] = "bf16"
     engine = zero_strategy.initialize(model, _optimizer(model), cfg)
     run = torch.compile(model) if "compile" in variant.split("+") else model
-    losses = []
-    for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
-        loss = zoo.loss_of(name, run, zoo.shard(batch, rank, ws))
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().float().reshape(1) / ws
-        torch.distributed.all_reduce(t)
-        losses.append(float(t))
+    losses = zoo.train_on_engine(name, run, engine, rank, ws, STEPS, GLOBAL_BATCH)
     sd = engine.full_state_dict()
     engine.close()
     return losses, sd

@@ -84,14 +84,7 @@ def _worker(rank, ws, cases):
             cfg["precision"] = "bf16"
         engine = zero_strategy.initialize(model, _optimizer(model), cfg)
         run = torch.compile(model) if variant.startswith("compile") else model
-        losses = []
-        for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
-            loss = zoo.loss_of(name, run, zoo.shard(batch, rank, ws))
-            engine.backward(loss)
-            engine.step()
-            t = loss.detach().float().reshape(1) / ws
-            torch.distributed.all_reduce(t)
-            losses.append(float(t))
+        losses = zoo.train_on_engine(name, run, engine, rank, ws, STEPS, GLOBAL_BATCH)
         out[(name, variant, stage)] = (losses, engine.full_state_dict())
         engine.close()
     return out

@@ -66,14 +66,7 @@ def _zero_worker(rank, ws, names, configs):
             if min_gather is not None:
                 cfg["min_gather_numel"] = min_gather
             engine = zero_strategy.initialize(model, _optimizer(model), cfg)
-            losses = []
-            for batch in zoo.make_batches(name, STEPS, GLOBAL_BATCH):
-                loss = zoo.loss_of(name, model, zoo.shard(batch, rank, ws))
-                engine.backward(loss)
-                engine.step()
-                t = loss.detach().reshape(1) / ws
-                torch.distributed.all_reduce(t)
-                losses.append(float(t))
+            losses = zoo.train_on_engine(name, model, engine, rank, ws, STEPS, GLOBAL_BATCH)
             sd = engine.full_state_dict()
             out[(name, stage, threshold, min_gather)] = (losses, sd, engine.unit_summary())
             engine.close()

@@ -193,3 +193,20 @@ def loss_of(name: str, model: nn.Module, batch: dict) -> torch.Tensor:
     else:
         logits = model(ids).float()
     return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def train_on_engine(name: str, run, engine, rank: int, world: int, steps: int, global_batch: int) -> list:
+    """``steps`` ZeRO steps of ``name`` on this rank's share of each global batch
+    (``run``: the model, or its compiled wrapper); returns the global mean loss per step
+    (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    losses = []
+    for batch in make_batches(name, steps, global_batch):
+        loss = loss_of(name, run, shard(batch, rank, world))
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().float().reshape(1) / world
+        dist.all_reduce(t)
+        losses.append(float(t))
+    return losses
