@@ -101,11 +101,7 @@ def apply_variant(name: str, model, variant: str):
     if "frozen_embedding" in parts:
         frozen_weight(name, model).requires_grad_(False)
     if "grad_ckpt" in parts:
-        hf = model.lm if name == "fused_head" else model
-        if hasattr(hf, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        zoo.enable_hf_gradient_checkpointing(model.lm if name == "fused_head" else model)
         model.train()
     return model
 

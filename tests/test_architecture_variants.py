@@ -34,11 +34,7 @@ def _apply(name, model, variant):
     if variant == "frozen_embedding":
         _embedding(model).weight.requires_grad_(False)
     elif variant == "grad_ckpt":
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
+        zoo.enable_hf_gradient_checkpointing(model)
     return model
 
 

@@ -210,3 +210,12 @@ def train_on_engine(name: str, run, engine, rank: int, world: int, steps: int, g
         dist.all_reduce(t)
         losses.append(float(t))
     return losses
+
+
+def enable_hf_gradient_checkpointing(model) -> None:
+    """transformers' own gradient checkpointing (non-reentrant), under either of its names."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
