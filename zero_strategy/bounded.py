@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+SHORT_SLEEP = 0.0002  # most seconds between polls while a wait is young
+SHORT_FOR = 0.05  # seconds a wait counts as young
 MAX_SLEEP = 0.002  # seconds between polls of a long wait
 WATCH_AFTER = 1.0  # seconds of waiting before peers' failure reports are looked for
 WATCH_EVERY = 0.5
@@ -56,7 +58,7 @@ def wait_work(work, timeout: float, peer_failed: Optional[Callable[[], bool]] = 
                 now = time.monotonic()
                 next_watch = now + WATCH_EVERY
             time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, MAX_SLEEP)
+            pause = min(pause * 2, SHORT_SLEEP if now - start < SHORT_FOR else MAX_SLEEP)
     work.wait()
 
 

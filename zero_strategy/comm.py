@@ -109,6 +109,22 @@ class _TimedWork:
         return self.done or self.pending.work.is_completed()
 
 
+class _ControlResult:
+    """A control reduction in flight: ``result()`` waits and returns the reduced tensor
+    (the caller's, written in place)."""
+
+    def __init__(self, tensor: torch.Tensor, work, reduce=None) -> None:
+        self._tensor, self._work, self._reduce = tensor, work, reduce
+
+    def result(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._reduce is not None:
+                self._tensor.copy_(self._reduce().view_as(self._tensor))
+        return self._tensor
+
+
 class _DoneWork:
     """Stands in for a Work handle when there is nothing to wait for (world size 1)."""
 
@@ -379,20 +395,24 @@ class Communicator:
     def control_all_reduce(self, tensor: torch.Tensor, op: str = "sum", label: str = "a control value") -> torch.Tensor:
         """Small synchronous reductions (overflow flags, norms): counted as ``control``.
         With headers they are an all-gather reduced locally, in rank order."""
+        return self.control_all_reduce_async(tensor, op, label).result()
+
+    def control_all_reduce_async(self, tensor: torch.Tensor, op: str = "sum",
+                                 label: str = "a control value") -> "_ControlResult":
+        """:meth:`control_all_reduce` issued now and waited for by ``.result()``, so its
+        latency can overlap other work (the engine's end-of-backward agreement)."""
         self._count("control", tensor.numel(), tensor.element_size())
         if self.world_size == 1:
-            return tensor
+            return _ControlResult(tensor, _DoneWork())
         position, ident = self._enter("all_reduce", label, tensor, tensor.numel())
         if ident is None:
             reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
-            self._issue(C.Pending(work), position, False)
-            return tensor
+            return _ControlResult(tensor, self._issue(C.Pending(work), position, True))
         flat = tensor.detach().reshape(-1)
         rows = torch.empty(self.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
-        self._issue(C.all_gather(rows, flat, self.group, self.world_size, ident), position, False)
-        tensor.copy_(C.reduce_gathered(rows.view(self.world_size, -1), op).view_as(tensor))
-        return tensor
+        work = self._issue(C.all_gather(rows, flat, self.group, self.world_size, ident), position, True)
+        return _ControlResult(tensor, work, lambda: C.reduce_gathered(rows.view(self.world_size, -1), op))
 
     def all_gather_for_state(self, full_out: torch.Tensor, shard_in: torch.Tensor, label: str = "a state dict") -> None:
         """Synchronous gather used by state-dict consolidation (counted as ``state_gather``)."""

@@ -303,6 +303,7 @@ class ZeroEngine:
             )
         self._phase_before_backward = self.phase
         self._backward_synced = self._synced
+        self._usage_in_flight = None  # this backward may add gradients: agree again
         self.phase = Phase.BACKWARD
         # Weak: the callback must not keep a dropped engine alive through autograd.
         ref = weakref.ref(self)
@@ -321,7 +322,7 @@ class ZeroEngine:
         else:
             self.phase = Phase.ACCUMULATED
         self._step_grad_ops = []
-        self.reducer.flush(synced)
+        self.reducer.flush(synced, self._start_usage_agreement if synced else None)
         if self.gatherer is not None:
             self.gatherer.end_of_backward()
 
@@ -434,22 +435,45 @@ class ZeroEngine:
         self.phase = Phase.GRADS_READY
         return overflow
 
+    def _usage_flags(self, overflow: float = 0.0) -> torch.Tensor:
+        flags = [overflow]
+        for u in self.trainable_units:
+            received = u.grads.received
+            flags.extend(1.0 if i in received else 0.0 for i in range(len(u.params)))
+        return torch.tensor(flags, device=self._device())
+
+    _usage_in_flight = None  # the agreement started at the end of the last synchronised backward
+
+    def _start_usage_agreement(self) -> None:
+        """Issue the agreement on which parameters got gradients while the last gradient
+        buckets are still in flight, so its latency hides behind theirs.  Not with fp16
+        loss scaling (its overflow flag needs the reduced gradients) nor on a planning
+        dry run (meta tensors)."""
+        self._usage_in_flight = None
+        if self.policies.precision.loss_scaling or not self.trainable_units or self._device().type == "meta":
+            return
+        self._usage_in_flight = self.comm.control_all_reduce_async(
+            self._usage_flags(), "max", label="which parameters got gradients")
+
     def _agree_overflow_and_usage(self) -> bool:
         """One small all-reduce (max over ranks) of the fp16 overflow flag and of which
         parameters got a gradient this step on any rank (the step leaves the others
         alone, as DDP does: [Note: one optimizer tensor per parameter] in flat_unit.py).
+        Without loss scaling it was issued at the end of the last backward
+        (:meth:`_start_usage_agreement`) and is only waited for here.
         Returns whether any rank overflowed."""
         units = self.trainable_units
-        flags = [0.0]
-        if self.policies.precision.loss_scaling:
-            flags[0] = float(any(not bool(torch.isfinite(u.grads.reduced()).all()) for u in units))
-        for u in units:
-            received = u.grads.received
-            flags.extend(1.0 if i in received else 0.0 for i in range(len(u.params)))
-        agreed = torch.tensor(flags, device=self._device())
-        if len(flags) > 1 or self.policies.precision.loss_scaling:
-            what = "which parameters got gradients" + (" and the fp16 overflow check" if self.policies.precision.loss_scaling else "")
-            agreed = self.comm.control_all_reduce(agreed, "max", label=what)
+        in_flight, self._usage_in_flight = self._usage_in_flight, None
+        if in_flight is not None:
+            agreed = in_flight.result()
+        else:
+            overflow = 0.0
+            if self.policies.precision.loss_scaling:
+                overflow = float(any(not bool(torch.isfinite(u.grads.reduced()).all()) for u in units))
+            agreed = self._usage_flags(overflow)
+            if agreed.numel() > 1 or self.policies.precision.loss_scaling:
+                what = "which parameters got gradients" + (" and the fp16 overflow check" if self.policies.precision.loss_scaling else "")
+                agreed = self.comm.control_all_reduce(agreed, "max", label=what)
         if agreed.device.type == "meta":  # a planning dry run: every parameter counts as used
             self._used = None
             return False
@@ -595,6 +619,7 @@ class ZeroEngine:
             u.grads.zero()
             u.set_optimizer_grads(None)
         self._used = None
+        self._usage_in_flight = None
         self._step_grad_ops = []
         self._reduced_by_sync = False
         if self.gatherer is not None:

@@ -16,6 +16,18 @@ block, or the root for everything else).  Its life in one training step:
 Forward order is recorded on the first training forward and reused; all ranks must run
 the same modules in the same order (the reliability checks enforce this).
 
+[Note: kept for backward]
+Two orders are recorded: the order groups start their forward (what forward prefetches
+by) and the order they are released at the end of their forward.  Backward runs roughly
+in reverse of the second: a group that encloses others (the root: embeddings and head)
+starts forward first but finishes last, and its backward comes first.  So backward
+prefetches in reverse release order, and the group released last in a grad-enabled
+forward is not released at all: backward would gather it again as its first
+collective, with nothing run in between that needs the memory back (the same choice as
+FSDP2's unresharded root and DeepSpeed's reuse distance).  It is released as usual
+after its own backward, or by step / zero_grad / a no-grad forward when no backward
+comes.
+
 [Note: merged groups]
 Sibling unit modules too small to be worth a collective each (planner.py,
 ``min_gather_numel``) share one group: its *members*, in registration order.  Each
@@ -68,6 +80,7 @@ class ModuleGroup:
         self.in_backward_members = 0  # members whose backward started and has not finished
         self._pinned = False  # used outside its module: kept gathered (see [Note: on-demand gathers])
         self.held = False  # inside engine.keep_gathered(): not released until the region ends
+        self.kept_for_backward = False  # released last by forward: backward needs it first ([Note: kept for backward])
         self.logged_on_demand = False
         self.logged_opaque = False
 
@@ -110,12 +123,13 @@ class ModuleGroup:
             u.params_store.finish_gather()
 
     def release(self) -> None:
-        if self.pinned or self.held:
+        if self.pinned or self.held or self.kept_for_backward:
             return
         for u in self.units:
             u.params_store.release()
 
     def unpin_and_release(self) -> None:
+        self.kept_for_backward = False
         self.pinned = False
         self.release()
 
@@ -167,7 +181,8 @@ class ParameterGatherer:
         self.root_group = self.by_module.get(id(root))
         self.comm = comm
         self.prefetch_numel = prefetch_numel
-        self.forward_order: List[ModuleGroup] = []
+        self.forward_order: List[ModuleGroup] = []  # by forward start ([Note: kept for backward])
+        self.release_order: List[ModuleGroup] = []  # by release at forward's end
         self._order_frozen = False
         self.in_backward = False
         self.in_forward = False  # the root module's forward is running
@@ -255,6 +270,12 @@ class ParameterGatherer:
                             "backward. Return tensors, tuples, dicts or dataclasses to let it be released.", group.name)
         if module is None or module is group.members[-1]:
             group.active = False
+            if torch.is_grad_enabled():
+                if not self._order_frozen:
+                    if group in self.release_order:
+                        self.release_order.remove(group)
+                    self.release_order.append(group)
+                self._keep_if_backward_starts_with(group)
             group.release()
         if tensors:
             fired = [False]
@@ -288,6 +309,10 @@ class ParameterGatherer:
             kwargs[k] = outs[len(positions) + j]
         return tuple(args), kwargs
 
+    def _keep_if_backward_starts_with(self, group: ModuleGroup) -> None:
+        if self._order_frozen and self.release_order and group is self.release_order[-1]:
+            group.kept_for_backward = True
+
     def end_of_forward(self) -> None:
         """Root forward finished: release every group a lazy hook may have gathered;
         groups pinned by an on-demand use stay gathered for the backward, if one can follow."""
@@ -299,27 +324,34 @@ class ParameterGatherer:
         for g in self.groups:
             g.active = False
             if grad:
+                if g.gathered:
+                    self._keep_if_backward_starts_with(g)
                 g.release()
             else:
                 g.unpin_and_release()
 
     def end_of_step(self) -> None:
-        """step() / zero_grad(): nothing gathered on demand outlives the step."""
+        """step() / zero_grad(): nothing gathered on demand, or kept for a backward that
+        did not come, outlives the step."""
         self.awaiting_backward = False
         for g in self.groups:
-            if g.pinned:
+            if g.pinned or g.kept_for_backward:
                 g.unpin_and_release()
 
     # -- backward -----------------------------------------------------------------------
     def pre_backward(self, group: ModuleGroup) -> None:
+        if not self.in_backward:
+            for g in self.groups:  # from now on released by their own backward
+                g.kept_for_backward = False
         self.in_backward = True
         if not self._order_frozen and self.forward_order:
             self._order_frozen = True
         self.ensure_gathered(group)
         group.active = True
-        if group in self.forward_order:
-            i = self.forward_order.index(group)
-            self._prefetch(reversed(self.forward_order[:i]))
+        order = self.release_order if group in self.release_order else self.forward_order
+        if group in order:
+            i = order.index(group)
+            self._prefetch(reversed(order[:i]))
 
     def post_backward(self, group: ModuleGroup, first_member: bool = True) -> None:
         group.in_backward_members = max(0, group.in_backward_members - 1)

@@ -79,13 +79,16 @@ class GradientReducer:
         self._in_flight -= full.numel()
         unit.grads.finish_reduction(out)
 
-    def flush(self, synced: bool) -> None:
-        """End of backward: launch the rest in order, then wait for everything."""
+    def flush(self, synced: bool, while_in_flight=None) -> None:
+        """End of backward: launch the rest in order, call ``while_in_flight()`` (work
+        whose latency may overlap the last reductions), then wait for everything."""
         any_reduced = False
         for i, unit in enumerate(self.units):
             if not self._launched[i] and self.reduces_now(unit, synced):
                 self._launch(i)
             any_reduced = any_reduced or self._launched[i]
+        if while_in_flight is not None:
+            while_in_flight()
         while self._pending:
             self._finish_oldest()
         self._next = 0
