@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 MB = 1e6  # decimal, like the paper's GB = 1e9 B
@@ -68,18 +69,25 @@ def title(summary):
     return (f"{c['model']} ({c['psi'] / 1e6:.1f}M parameters), {c['precision']}, world size {c['world_size']}")
 
 
+def _spread(row):
+    """min / median / max over the passes of each pass's median step time."""
+    medians = row.get("medians_per_repeat") or [row["median_s"]]
+    return f"{min(medians):.3f} / {statistics.median(medians):.3f} / {max(medians):.3f}"
+
+
 def markdown_table(summary):
     lines = [
-        "| system | ≈ stage | median step (s) | vs DDP | model states / rank (MB) | paper (MB) | states / paper "
+        "| system | ≈ stage | median step (s) | vs DDP | pass medians min / median / max (s) "
+        "| model states / rank (MB) | paper (MB) | states / paper "
         "| resident tensors (MB) | peak tensors (MB) | peak RSS growth (MB) | comm / step (elements) | paper "
         "| comm / paper | max abs Δloss vs DDP |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
         ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
         dloss = "n/a" if r["max_dloss"] is None else f"{r['max_dloss']:.1e}"
         lines.append(
-            f"| {r['label']} | {r['stage']} | {r['median_s']:.3f} | {ratio} | {_mb(r['model_state_bytes'])} "
+            f"| {r['label']} | {r['stage']} | {r['median_s']:.3f} | {ratio} | {_spread(r)} | {_mb(r['model_state_bytes'])} "
             f"| {_mb(r['paper_bytes'])} | {_ratio(r['model_state_bytes'], r['paper_bytes'])} "
             f"| {_mb(r['resident_bytes'])} | {_mb(r['peak_live_bytes'])} | {_mb(r['peak_rss_growth'])} "
             f"| {_int(r['comm_elements'])} | {_int(r['paper_comm'])} | {_ratio(r['comm_elements'], r['paper_comm'])} "
@@ -114,7 +122,8 @@ Columns (per system, worst rank):
 - **median step**: median over the timed steps of the slowest rank's forward + backward +
   optimizer step (with `--repeats R`, the system list runs R times, odd passes in reverse
   order, and the fastest pass's median is kept); **vs DDP**: ratio to DDP's in the same
-  invocation.
+  invocation; **pass medians**: the least, middle and largest of the passes' medians, so
+  the spread the machine's drift caused is visible next to the figure kept.
 - **model states / rank**: parameters + gradients + master weights + optimizer state after
   the last `step()` (before FSDP2's `zero_grad(set_to_none=True)` frees its gradients):
   zero_strategy's `engine.memory_report()`, DDP's fp32 parameters + `.grad` + Adam state,

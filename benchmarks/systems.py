@@ -35,6 +35,8 @@ PRESETS = {
     "25m": dict(n_layer=6, n_embd=512, n_head=8, vocab=12288, seq=128, micro_batch=4),
     # 12 x 7.09M blocks + 15.7M embedding = 100.88M
     "100m": dict(n_layer=12, n_embd=768, n_head=12, vocab=20480, seq=128, micro_batch=4),
+    # GPT-2 medium's shape: 24 x 12.6M blocks + 51.5M embedding = 354.0M
+    "350m": dict(n_layer=24, n_embd=1024, n_head=16, vocab=50304, seq=128, micro_batch=4),
     # smoke runs: 0.4M parameters
     "quick": dict(n_layer=2, n_embd=128, n_head=4, vocab=1024, seq=32, micro_batch=2),
 }
