@@ -1,7 +1,7 @@
 """Stage 3's gather schedule across the forward/backward boundary (gather.py,
 [Note: kept for backward]): the group released last by a training forward (GPT-2's
 root: embeddings, tied head, final norm) is not released and gathered again as
-backward's first collective, backward prefetches in reverse release order, and
+backward's first collective, backward prefetch leaves the head's backward alone, and
 nothing stays gathered when no backward comes.  Every parameter is partitioned
 (threshold 0) and each block is its own gather (min_gather_numel=0)."""
 from __future__ import annotations
@@ -52,10 +52,12 @@ def test_one_gather_per_group_and_pass_except_the_group_backward_starts_with():
     assert per_step == [2 * groups, 2 * groups - 1, 2 * groups - 1], per_step
 
 
-def test_backward_prefetches_in_reverse_release_order():
-    """Backward starts at the root (the head), then runs the blocks last to first: each
-    block's gather must already be under way when its backward starts (before, the
-    root's backward prefetched nothing, so the last block was gathered on the spot)."""
+def test_backward_prefetches_each_block_from_the_one_after_it_not_from_the_head():
+    """Backward starts at the root (the head), then runs the blocks last to first.  The
+    head's backward prefetches nothing (a block gathered then would sit beside the
+    logits' gradient at the step's peak); from the last block on, each block's backward
+    prefetches the one before it, so every other block's gather is under way when its
+    backward starts."""
     model, engine = _engine()
     gatherer = engine.gatherer
     blocks = {id(m): f"h.{i}" for i, m in enumerate(model.transformer.h)}
@@ -73,8 +75,9 @@ def test_backward_prefetches_in_reverse_release_order():
         engine.backward(model(input_ids=ids, labels=ids).loss)
         engine.step()
     engine.close()
+    last = f"h.{N_LAYER - 1}"
     assert [name for name, _ in seen] == ["root"] + [f"h.{i}" for i in reversed(range(N_LAYER))], seen
-    assert all(already for _, already in seen), seen
+    assert dict(seen) == {"root": True, last: False, **{f"h.{i}": True for i in range(N_LAYER - 1)}}, seen
 
 
 def test_a_forward_without_backward_leaves_nothing_gathered():
