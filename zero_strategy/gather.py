@@ -185,7 +185,8 @@ class ParameterGatherer:
         self.comm = comm
         self.prefetch_numel = prefetch_numel
         self.forward_order: List[ModuleGroup] = []  # by forward start: what prefetch follows
-        self.release_order: List[ModuleGroup] = []  # by release at forward's end ([Note: kept for backward])
+        # The group a grad forward released last, learnt in the first one ([Note: kept for backward]).
+        self.released_last: Optional[ModuleGroup] = None
         self._order_frozen = False
         self.in_backward = False
         self.in_forward = False  # the root module's forward is running
@@ -275,9 +276,7 @@ class ParameterGatherer:
             group.active = False
             if torch.is_grad_enabled():
                 if not self._order_frozen:
-                    if group in self.release_order:
-                        self.release_order.remove(group)
-                    self.release_order.append(group)
+                    self.released_last = group
                 self._keep_if_backward_starts_with(group)
             group.release()
         if tensors:
@@ -313,7 +312,7 @@ class ParameterGatherer:
         return tuple(args), kwargs
 
     def _keep_if_backward_starts_with(self, group: ModuleGroup) -> None:
-        if self._order_frozen and self.release_order and group is self.release_order[-1]:
+        if self._order_frozen and group is self.released_last:
             group.kept_for_backward = True
 
     def end_of_forward(self) -> None:
