@@ -36,14 +36,18 @@ class FakeComm:
         full_out.copy_(torch.cat([t.to(full_out.dtype) for t in parts]))
         return _Done()
 
-    def reduce_scatter(self, out, full, async_op=True, label="", scratch=False):
+    def reduce_scatter(self, out, full, async_op=True, label="", scratch=False, rider=None):
         self.calls.append(("reduce_scatter", label, full.numel()))
+        if rider is not None:
+            rider.mul_(self.world_size)
         n = out.numel()
         out.copy_(full[self.rank * n : (self.rank + 1) * n] * self.world_size)  # identical peers
         return _Done()
 
-    def all_reduce(self, t, async_op=True, label=""):
+    def all_reduce(self, t, async_op=True, label="", rider=None):
         self.calls.append(("all_reduce", label, t.numel()))
+        if rider is not None:
+            rider.mul_(self.world_size)
         t.mul_(self.world_size)
         return _Done()
 

@@ -193,6 +193,45 @@ def test_parameter_unused_on_one_rank_neither_hangs_nor_corrupts(stage):
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
 
 
+def _rider_worker(rank, ws, stage):
+    import zero_strategy
+
+    torch.manual_seed(0)
+    model = _Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = zero_strategy.initialize(model, opt, dict(stage=stage, reduce_bucket_size=70, param_persistence_threshold=0))
+    controls = []
+    for step, skips in enumerate([False, True, False]):  # step 1: rank 1 skips ``extra``
+        before = engine.comm.report()["control"].calls
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        engine.backward(model(x, use_extra=not (skips and rank == 1)))
+        engine.step()
+        engine.zero_grad()
+        controls.append(engine.comm.report()["control"].calls - before)
+    return controls, engine.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_usage_agreement_rides_the_last_gradient_collective(stage):
+    """[Note: usage rider]: on gloo a step in which every rank got every gradient runs no
+    control collective; one in which a rank missed one runs exactly the agreement, and
+    the result is plain torch's (momentum leaves ``extra`` alone only where no rank used it)."""
+    results = run_distributed(_rider_worker, 2, stage, timeout=120)
+    torch.manual_seed(0)
+    ref = _Branchy()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step, skips in enumerate([False, True, False]):
+        for rank in (0, 1):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            (ref(x, use_extra=not (skips and rank == 1)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert [controls for controls, _ in results] == [[0, 1, 0]] * 2
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(results[0][1][k], v, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------
 def _state_roundtrip_worker(rank, ws, stage, precision):
     import zero_strategy
@@ -281,12 +320,12 @@ def _overlap_worker(rank, ws):
     launched_inside_backward = []
     original = engine.reducer._launch
 
-    def spy(i):
+    def spy(i, *rest):
         # The end-of-backward callback moves the phase on before it flushes what is
         # left; launches in phase BACKWARD happened while autograd was still
         # producing gradients.
         launched_inside_backward.append(engine.phase.value == "backward")
-        return original(i)
+        return original(i, *rest)
 
     engine.reducer._launch = spy
     ids = lm_batches(1, 4)[0][2 * rank : 2 * rank + 2]

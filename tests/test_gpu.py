@@ -78,9 +78,9 @@ def _overlap_worker(rank, ws):
     launches = []
     original = engine.reducer._launch
 
-    def spy(i):
+    def spy(i, *rest):
         launches.append(engine.phase.value == "backward")
-        return original(i)
+        return original(i, *rest)
 
     engine.reducer._launch = spy
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

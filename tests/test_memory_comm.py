@@ -233,19 +233,22 @@ def _scratch_reduce_worker(rank, ws):
     dist.all_reduce = spy
     try:
         out = {}
-        for scratch, room in ((True, C.HEADER_ROOM), (True, 0), (False, C.HEADER_ROOM)):
+        for scratch, room, with_rider in ((True, C.HEADER_ROOM, False), (True, 0, False), (False, C.HEADER_ROOM, False),
+                                          (True, C.HEADER_ROOM, True)):
             n = 8 * ws
             backing = torch.zeros(n + room)
             inp = backing[:n]
             inp.copy_(torch.arange(n, dtype=torch.float32) * (rank + 1))
             ptr = inp.untyped_storage().data_ptr()
             shard = torch.empty(n // ws)
+            rider = torch.tensor([float(rank)]) if with_rider else None
             ident = C.Identity.of(0, len(seen), "reduce_scatter for a test", inp.dtype, n)
-            pending = C.reduce_scatter(shard, inp, None, ws, ident, via_all_reduce=True, inp_is_scratch=scratch)
+            pending = C.reduce_scatter(shard, inp, None, ws, ident, via_all_reduce=True, inp_is_scratch=scratch, rider=rider)
             pending.work.wait()
             assert pending.finish() is None  # the summed headers agree
             want = (torch.arange(n, dtype=torch.float32) * sum(r + 1 for r in range(ws))).chunk(ws)[rank]
-            out[(scratch, room)] = (torch.equal(shard, want), seen[-1] == ptr)
+            rider_sum = None if rider is None else float(rider)
+            out[(scratch, room, with_rider)] = (torch.equal(shard, want), seen[-1] == ptr, rider_sum)
         return out
     finally:
         dist.all_reduce = original
@@ -254,9 +257,13 @@ def _scratch_reduce_worker(rank, ws):
 @pytest.mark.slow
 def test_gloo_reduce_scatter_runs_in_place_on_a_scratch_bucket_with_header_room():
     """Stage 2-3 gradient buckets are dropped once reduced and keep room for the gloo
-    path's header, so the all-reduce standing in for reduce-scatter runs on the bucket
-    itself (no second unit-sized buffer); otherwise on a copy. Both give gloo's sum."""
+    path's header and a rider, so the all-reduce standing in for reduce-scatter runs on
+    the bucket itself (no second unit-sized buffer); otherwise on a copy. Both give
+    gloo's sum, and a rider comes back summed over ranks ([Note: riders])."""
+    from zero_strategy.collectives import HEADER_ROOM
+
     for result in run_distributed(_scratch_reduce_worker, 2):
-        assert result[(True, 32)] == (True, True), result
-        assert result[(True, 0)] == (True, False), result
-        assert result[(False, 32)] == (True, False), result
+        assert result[(True, HEADER_ROOM, False)] == (True, True, None), result
+        assert result[(True, 0, False)] == (True, False, None), result
+        assert result[(False, HEADER_ROOM, False)] == (True, False, None), result
+        assert result[(True, HEADER_ROOM, True)] == (True, True, 1.0), result  # riders 0 + 1

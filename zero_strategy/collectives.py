@@ -26,6 +26,14 @@ gloo itself, which aborts the receiving process (``op.preamble.length <= op.nbyt
 no Python code can intercept that, so mismatched sizes end with that process gone and
 the others reporting it (see docs/reliability.md).
 
+[Note: riders]
+A summed collective that gloo carries as an all-reduce can also sum a few values of
+the caller's (``rider``) after its header, so a flag every rank needs (the engine's
+"some parameter got no gradient here") costs no collective of its own.  The rider is
+written in the buffer's dtype and read back after the wait; callers use it only for
+non-negative flags, whose sum is zero exactly when every rank sent zero, whatever the
+dtype rounds.  Not on NCCL: its reduce-scatter gives each rank only its slice.
+
 The headers cost a staging copy of each buffer (the payload cannot be followed in
 place by a header); the staging storage is released as soon as each collective
 finishes.  The communicator counts the payload only (comm_report, 2Ψ / 3Ψ).
@@ -46,9 +54,11 @@ all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 HEADER_BYTES = 16  # two int64: the identity of the call and (step, call number)
 DIGEST_BITS = 32  # elements of a summed header
+# Elements a summed collective may carry after its header for the caller ([Note: riders]).
+RIDER_ELEMENTS = 1
 # Elements a scratch reduce-scatter input may reserve after itself, so the gloo path's
-# all-reduce can append its header in place (reduce_scatter, inp_is_scratch).
-HEADER_ROOM = DIGEST_BITS
+# all-reduce can append its header (and a rider) in place (reduce_scatter, inp_is_scratch).
+HEADER_ROOM = DIGEST_BITS + RIDER_ELEMENTS
 
 # The largest N for which sums of N zeros and ones are exact in the dtype.
 _EXACT_COUNT = {
@@ -221,7 +231,8 @@ def _check_sums(got: torch.Tensor, expected: torch.Tensor, ident: Identity, worl
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity],
-                   via_all_reduce: bool = False, inp_is_scratch: bool = False) -> Pending:
+                   via_all_reduce: bool = False, inp_is_scratch: bool = False,
+                   rider: Optional[torch.Tensor] = None) -> Pending:
     """Sum ``inp`` over ranks; this rank receives its equal slice in ``out``.
 
     ``via_all_reduce`` (gloo): gloo's reduce-scatter does its work inside ``wait()``
@@ -231,51 +242,68 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int,
     reduce-scatter, plus the copy).  When the caller discards ``inp`` afterwards
     (``inp_is_scratch``) and its storage has room for the header right after it
     (:data:`HEADER_ROOM` elements, see grad_storage.py), the all-reduce runs in place:
-    no copy, and no second unit-sized buffer."""
+    no copy, and no second unit-sized buffer.  ``rider``: summed along ([Note: riders]);
+    only with ``via_all_reduce``."""
     if not via_all_reduce:
+        if rider is not None:
+            raise ValueError("a rider needs the reduce-scatter carried as an all-reduce (gloo)")
         return Pending(reduce_scatter_tensor(out, inp, group=group, async_op=True))
     s = out.numel()
     rank = dist.get_rank(group)
     with_header = ident is not None and bitsum_header_fits(inp.dtype, world_size)
     h = DIGEST_BITS if with_header else 0
+    r = 0 if rider is None else rider.numel()
     n = inp.numel()
     storage, offset = inp.untyped_storage(), inp.storage_offset()
-    if inp_is_scratch and inp.is_contiguous() and storage.nbytes() >= (offset + n + h) * inp.element_size():
-        buf = inp.new_empty(0).set_(storage, offset, (n + h,))
+    if inp_is_scratch and inp.is_contiguous() and storage.nbytes() >= (offset + n + h + r) * inp.element_size():
+        buf = inp.new_empty(0).set_(storage, offset, (n + h + r,))
     else:
-        buf = torch.empty(n + h, dtype=inp.dtype, device=inp.device)
+        buf = torch.empty(n + h + r, dtype=inp.dtype, device=inp.device)
         buf[:n].copy_(inp.reshape(-1))
     bits = None
     if with_header:
         bits = _bits(ident.digest(), inp.dtype, inp.device)
-        buf[n:].copy_(bits)
+        buf[n : n + h].copy_(bits)
+    if rider is not None:
+        buf[n + h :].copy_(rider.reshape(-1))
     work = dist.all_reduce(buf, group=group, async_op=True)
 
     def finish() -> Optional[Mismatch]:
-        bad = _check_sums(buf[n:], bits * world_size, ident, world_size) if with_header else None
+        bad = _check_sums(buf[n : n + h], bits * world_size, ident, world_size) if with_header else None
         if bad is None:
             out.copy_(buf[rank * s : (rank + 1) * s].view_as(out))
+            if rider is not None:
+                rider.copy_(buf[n + h :].view_as(rider))
         _release(buf)
         return bad
 
     return Pending(work, finish)
 
 
-def all_reduce(tensor: torch.Tensor, group, world_size: int, ident: Optional[Identity]) -> Pending:
-    """Sum ``tensor`` in place over ranks."""
-    if ident is None or not bitsum_header_fits(tensor.dtype, world_size):
+def all_reduce(tensor: torch.Tensor, group, world_size: int, ident: Optional[Identity],
+               rider: Optional[torch.Tensor] = None) -> Pending:
+    """Sum ``tensor`` in place over ranks; ``rider`` is summed along ([Note: riders])."""
+    with_header = ident is not None and bitsum_header_fits(tensor.dtype, world_size)
+    if not with_header and rider is None:
         return Pending(dist.all_reduce(tensor, group=group, async_op=True))
     n = tensor.numel()
-    bits = _bits(ident.digest(), tensor.dtype, tensor.device)
-    buf = torch.empty(n + DIGEST_BITS, dtype=tensor.dtype, device=tensor.device)
+    h = DIGEST_BITS if with_header else 0
+    buf = torch.empty(n + h + (0 if rider is None else rider.numel()), dtype=tensor.dtype, device=tensor.device)
     buf[:n].copy_(tensor.reshape(-1))
-    buf[n:].copy_(bits)
+    bits = None
+    if with_header:
+        bits = _bits(ident.digest(), tensor.dtype, tensor.device)
+        buf[n : n + h].copy_(bits)
+    if rider is not None:
+        buf[n + h :].copy_(rider.reshape(-1))
     work = dist.all_reduce(buf, group=group, async_op=True)
 
     def finish() -> Optional[Mismatch]:
-        bad = _check_sums(buf[n:], bits * world_size, ident, world_size)
+        bad = _check_sums(buf[n : n + h], bits * world_size, ident, world_size) if with_header else None
         if bad is None:
             tensor.copy_(buf[:n].view_as(tensor))
+            if rider is not None:
+                rider.copy_(buf[n + h :].view_as(rider))
         _release(buf)
         return bad
 

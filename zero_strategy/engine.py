@@ -50,6 +50,9 @@ from .stepper import step_units
 # strong value would keep every model (and its process group) alive until exit.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
+# What the usage agreement settles to when the rider said no rank missed a gradient.
+_EVERY_PARAMETER_USED = object()
+
 
 def engine_of(module: nn.Module) -> Optional["ZeroEngine"]:
     """The open ZeroEngine managing ``module``, or None."""
@@ -221,7 +224,7 @@ class ZeroEngine:
         # pile up beside the activations in backward.)
         self.reducer = GradientReducer(
             self._reduction_order(plan), self.comm, overlap=pol.comm.overlap,
-            max_in_flight=2 * pol.comm.reduce_bucket_size,
+            max_in_flight=2 * pol.comm.reduce_bucket_size, rider=self._usage_rider,
         )
 
         self.gatherer: Optional[ParameterGatherer] = None
@@ -304,6 +307,7 @@ class ZeroEngine:
         self._phase_before_backward = self.phase
         self._backward_synced = self._synced
         self._usage_in_flight = None  # this backward may add gradients: agree again
+        self._rider = None
         self.phase = Phase.BACKWARD
         # Weak: the callback must not keep a dropped engine alive through autograd.
         ref = weakref.ref(self)
@@ -323,6 +327,8 @@ class ZeroEngine:
             self.phase = Phase.ACCUMULATED
         self._step_grad_ops = []
         self.reducer.flush(synced, self._start_usage_agreement if synced else None)
+        if synced:
+            self._read_usage_rider()
         if self.gatherer is not None:
             self.gatherer.end_of_backward()
 
@@ -442,15 +448,47 @@ class ZeroEngine:
             flags.extend(1.0 if i in received else 0.0 for i in range(len(u.params)))
         return torch.tensor(flags, device=self._device())
 
-    _usage_in_flight = None  # the agreement started at the end of the last synchronised backward
+    # The agreement started at the end of the last synchronised backward: a control
+    # reduction in flight, or _EVERY_PARAMETER_USED when the rider settled it.
+    _usage_in_flight = None
+    _rider: Optional[torch.Tensor] = None  # this backward's rider, once the last unit was launched
+
+    def _agreement_wanted(self) -> bool:
+        # Not with fp16 loss scaling (its overflow flag needs the reduced gradients) nor
+        # on a planning dry run (meta tensors).
+        return not (self.policies.precision.loss_scaling or not self.trainable_units or self._device().type == "meta")
+
+    # [Note: usage rider]
+    # Every synchronised step must learn which parameters got a gradient on any rank
+    # (the step leaves the others alone).  Usually every one did, and a collective of
+    # its own costs a fixed latency, which on a small model is a large part of the step.
+    # So on gloo the last gradient collective carries one flag per rank ("some parameter
+    # got no gradient here", [Note: riders] in collectives.py); only when its sum is not
+    # zero do the ranks exchange the per-parameter flags, after the flush.  Elsewhere
+    # (NCCL) the exchange is issued while the last buckets are in flight.
+    def _usage_rider(self) -> Optional[torch.Tensor]:
+        if not (self.comm.carries_riders and self._agreement_wanted()):
+            return None
+        missed = any(len(u.grads.received) < len(u.params) for u in self.trainable_units)
+        self._rider = torch.tensor([1.0 if missed else 0.0], device=self._device())
+        return self._rider
+
+    def _read_usage_rider(self) -> None:
+        rider, self._rider = self._rider, None
+        if rider is None:
+            return
+        if float(rider.item()) == 0.0:
+            self._usage_in_flight = _EVERY_PARAMETER_USED
+        else:  # some rank missed a gradient: agree on which
+            self._usage_in_flight = self.comm.control_all_reduce_async(
+                self._usage_flags(), "max", label="which parameters got gradients")
 
     def _start_usage_agreement(self) -> None:
         """Issue the agreement on which parameters got gradients while the last gradient
-        buckets are still in flight, so its latency hides behind theirs.  Not with fp16
-        loss scaling (its overflow flag needs the reduced gradients) nor on a planning
-        dry run (meta tensors)."""
+        buckets are still in flight, so its latency hides behind theirs (unless the
+        last bucket carries the rider: [Note: usage rider])."""
         self._usage_in_flight = None
-        if self.policies.precision.loss_scaling or not self.trainable_units or self._device().type == "meta":
+        if self._rider is not None or not self._agreement_wanted():
             return
         self._usage_in_flight = self.comm.control_all_reduce_async(
             self._usage_flags(), "max", label="which parameters got gradients")
@@ -464,6 +502,9 @@ class ZeroEngine:
         Returns whether any rank overflowed."""
         units = self.trainable_units
         in_flight, self._usage_in_flight = self._usage_in_flight, None
+        if in_flight is _EVERY_PARAMETER_USED:
+            self._used = None
+            return False
         if in_flight is not None:
             agreed = in_flight.result()
         else:
@@ -620,6 +661,7 @@ class ZeroEngine:
             u.set_optimizer_grads(None)
         self._used = None
         self._usage_in_flight = None
+        self._rider = None
         self._step_grad_ops = []
         self._reduced_by_sync = False
         if self.gatherer is not None:

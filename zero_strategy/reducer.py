@@ -9,6 +9,11 @@ collectives in the same sequence even when a parameter gets no gradient on one r
 (an unused branch), which is what keeps mismatched collectives from hanging or
 silently mixing buffers.
 
+The last unit's collective of a synchronised backward may carry the engine's rider
+(``rider``: a callable returning a small tensor of flags, or None), summed over ranks
+along with the gradients ([Note: riders] in collectives.py); it is read after
+:meth:`flush` has waited.
+
 Reduction happens on synchronised backward passes; inside ``no_sync`` stages 0 and 1
 only accumulate locally, while stages 2 and 3 still reduce every micro-batch (their
 full-size gradient never outlives its bucket).
@@ -29,9 +34,10 @@ class GradientReducer:
     Which collective, and whether to reduce inside no_sync, is the unit's gradient
     storage's to say (see :mod:`~zero_strategy.grad_storage`)."""
 
-    def __init__(self, units, comm, *, overlap: bool, max_in_flight: int) -> None:
+    def __init__(self, units, comm, *, overlap: bool, max_in_flight: int, rider=None) -> None:
         self.units = list(units)  # trainable units, in launch order
         self.comm = comm
+        self.rider = rider  # () -> Optional[Tensor], asked at the last launch of a synchronised backward
         self.overlap = overlap
         self.max_in_flight = max_in_flight
         self._next = 0  # index of the next unit to launch in this backward
@@ -50,9 +56,9 @@ class GradientReducer:
         if not self.reduces_now(unit, synced) or not self.overlap:
             return
         while self._next < len(self.units) and self.units[self._next].grads.complete:
-            self._launch(self._next)
+            self._launch(self._next, synced)
 
-    def _launch(self, i: int) -> None:
+    def _launch(self, i: int, synced: bool) -> None:
         unit = self.units[i]
         grads = unit.grads
         self._launched[i] = True
@@ -62,12 +68,15 @@ class GradientReducer:
             self._finish_oldest()
         full = grads.reduction_input(self.comm.world_size)
         label = f"the gradients of {unit.label}"
+        # Every unit was launched before the last one, so whatever the rider reports is final.
+        rider = self.rider() if synced and self.rider is not None and i == len(self.units) - 1 else None
         if grads.collective == "all_reduce":
-            work = self.comm.all_reduce(full, async_op=True, label=label)
+            work = self.comm.all_reduce(full, async_op=True, label=label, rider=rider)
             out = full
         else:
             out = grads.reduction_output()
-            work = self.comm.reduce_scatter(out, full, async_op=True, label=label, scratch=grads.reduction_input_is_scratch)
+            work = self.comm.reduce_scatter(out, full, async_op=True, label=label, scratch=grads.reduction_input_is_scratch,
+                                            rider=rider)
         # Keep ``full`` referenced until the collective has finished with it.
         self._pending.append((unit, work, out, full))
         self._in_flight += full.numel()
@@ -85,7 +94,7 @@ class GradientReducer:
         any_reduced = False
         for i, unit in enumerate(self.units):
             if not self._launched[i] and self.reduces_now(unit, synced):
-                self._launch(i)
+                self._launch(i, synced)
             any_reduced = any_reduced or self._launched[i]
         if while_in_flight is not None:
             while_in_flight()
