@@ -12,7 +12,8 @@ interleaved (A B C A B C ...) so machine drift hits all alike:
 * ``zero3``: the same with the default ``min_gather_numel`` (small sibling blocks merged).
 
 Reported: median (min-max) step time, its ratio to DDP, and the collectives per step
-(all-gathers, reduce-scatters, all-reduces) counted by the engine's communicator.
+(all-gathers, reduce-scatters, all-reduces, and control reductions such as the agreement
+on which parameters got gradients) counted by the engine's communicator.
 
     .venv/bin/python benchmarks/bench_zoo.py --repeats 5
     .venv/bin/python benchmarks/bench_zoo.py --models llama,many_linear --steps 10
@@ -121,8 +122,9 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown models {unknown}; the zoo has {list(zoo.NAMES)}")
     results = run_distributed(_worker, args.world_size, names, args.steps, args.warmup, args.repeats, timeout=7200)[0]
-    print(f"| model | system | step ms median (min-max) | vs DDP | all-gathers/step | reduce-scatters/step | all-reduces/step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | system | step ms median (min-max) | vs DDP | all-gathers/step | reduce-scatters/step | all-reduces/step "
+          "| control/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in names:
         ddp = statistics.median(t for t, _ in results[(name, "ddp")])
         for system in SYSTEMS:
@@ -132,9 +134,11 @@ def main(argv=None):
             calls = runs[-1][1]
 
             def c(kind):
-                return f"{calls[kind]:.0f}" if kind in calls else ("-" if system == "ddp" else "0")
+                if kind not in calls:
+                    return "-" if system == "ddp" else "0"
+                return f"{calls[kind]:.0f}" if calls[kind] == int(calls[kind]) else f"{calls[kind]:.2f}"
             print(f"| {name} | {system} | {med * 1e3:.1f} ({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}) | "
-                  f"{med / ddp:.2f}x | {c('all_gather')} | {c('reduce_scatter')} | {c('all_reduce')} |")
+                  f"{med / ddp:.2f}x | {c('all_gather')} | {c('reduce_scatter')} | {c('all_reduce')} | {c('control')} |")
 
 
 if __name__ == "__main__":
