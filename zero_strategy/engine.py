@@ -224,7 +224,7 @@ class ZeroEngine:
         # pile up beside the activations in backward.)
         self.reducer = GradientReducer(
             self._reduction_order(plan), self.comm, overlap=pol.comm.overlap,
-            max_in_flight=2 * pol.comm.reduce_bucket_size, rider=self._usage_rider,
+            max_in_flight=2 * pol.comm.reduce_bucket_size, rider=_weak_method(self._usage_rider),
         )
 
         self.gatherer: Optional[ParameterGatherer] = None

@@ -37,7 +37,7 @@ class GradientReducer:
     def __init__(self, units, comm, *, overlap: bool, max_in_flight: int, rider=None) -> None:
         self.units = list(units)  # trainable units, in launch order
         self.comm = comm
-        self.rider = rider  # () -> Optional[Tensor], asked at the last launch of a synchronised backward
+        self.rider = rider  # () -> a tensor or not, asked at the last launch of a synchronised backward
         self.overlap = overlap
         self.max_in_flight = max_in_flight
         self._next = 0  # index of the next unit to launch in this backward
@@ -70,6 +70,8 @@ class GradientReducer:
         label = f"the gradients of {unit.label}"
         # Every unit was launched before the last one, so whatever the rider reports is final.
         rider = self.rider() if synced and self.rider is not None and i == len(self.units) - 1 else None
+        if not isinstance(rider, torch.Tensor):
+            rider = None  # none wanted, or (held weakly) its engine is gone
         if grads.collective == "all_reduce":
             work = self.comm.all_reduce(full, async_op=True, label=label, rider=rider)
             out = full
