@@ -250,58 +250,55 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int,
         return Pending(reduce_scatter_tensor(out, inp, group=group, async_op=True))
     s = out.numel()
     rank = dist.get_rank(group)
-    with_header = ident is not None and bitsum_header_fits(inp.dtype, world_size)
-    h = DIGEST_BITS if with_header else 0
-    r = 0 if rider is None else rider.numel()
+    if not bitsum_header_fits(inp.dtype, world_size):
+        ident = None
     n = inp.numel()
+    room = n + _trailer_numel(ident, rider)
     storage, offset = inp.untyped_storage(), inp.storage_offset()
-    if inp_is_scratch and inp.is_contiguous() and storage.nbytes() >= (offset + n + h + r) * inp.element_size():
-        buf = inp.new_empty(0).set_(storage, offset, (n + h + r,))
+    if inp_is_scratch and inp.is_contiguous() and storage.nbytes() >= (offset + room) * inp.element_size():
+        buf = inp.new_empty(0).set_(storage, offset, (room,))
     else:
-        buf = torch.empty(n + h + r, dtype=inp.dtype, device=inp.device)
+        buf = torch.empty(room, dtype=inp.dtype, device=inp.device)
         buf[:n].copy_(inp.reshape(-1))
-    bits = None
-    if with_header:
-        bits = _bits(ident.digest(), inp.dtype, inp.device)
-        buf[n : n + h].copy_(bits)
-    if rider is not None:
-        buf[n + h :].copy_(rider.reshape(-1))
-    work = dist.all_reduce(buf, group=group, async_op=True)
-
-    def finish() -> Optional[Mismatch]:
-        bad = _check_sums(buf[n : n + h], bits * world_size, ident, world_size) if with_header else None
-        if bad is None:
-            out.copy_(buf[rank * s : (rank + 1) * s].view_as(out))
-            if rider is not None:
-                rider.copy_(buf[n + h :].view_as(rider))
-        _release(buf)
-        return bad
-
-    return Pending(work, finish)
+    return _summed(buf, n, group, world_size, ident, rider,
+                   lambda payload: out.copy_(payload[rank * s : (rank + 1) * s].view_as(out)))
 
 
 def all_reduce(tensor: torch.Tensor, group, world_size: int, ident: Optional[Identity],
                rider: Optional[torch.Tensor] = None) -> Pending:
     """Sum ``tensor`` in place over ranks; ``rider`` is summed along ([Note: riders])."""
-    with_header = ident is not None and bitsum_header_fits(tensor.dtype, world_size)
-    if not with_header and rider is None:
+    if not bitsum_header_fits(tensor.dtype, world_size):
+        ident = None
+    if ident is None and rider is None:
         return Pending(dist.all_reduce(tensor, group=group, async_op=True))
     n = tensor.numel()
-    h = DIGEST_BITS if with_header else 0
-    buf = torch.empty(n + h + (0 if rider is None else rider.numel()), dtype=tensor.dtype, device=tensor.device)
+    buf = torch.empty(n + _trailer_numel(ident, rider), dtype=tensor.dtype, device=tensor.device)
     buf[:n].copy_(tensor.reshape(-1))
+    return _summed(buf, n, group, world_size, ident, rider, lambda payload: tensor.copy_(payload.view_as(tensor)))
+
+
+def _trailer_numel(ident: Optional[Identity], rider: Optional[torch.Tensor]) -> int:
+    return (DIGEST_BITS if ident is not None else 0) + (0 if rider is None else rider.numel())
+
+
+def _summed(buf: torch.Tensor, n: int, group, world_size: int, ident: Optional[Identity],
+            rider: Optional[torch.Tensor], take: Callable[[torch.Tensor], object]) -> Pending:
+    """All-reduce ``buf``: its first ``n`` elements (the payload, already in place), then
+    the summed header (with ``ident``) and the rider.  Once the sums check out,
+    ``take(payload)`` copies the result out and the rider gets its sum."""
+    h = DIGEST_BITS if ident is not None else 0
     bits = None
-    if with_header:
-        bits = _bits(ident.digest(), tensor.dtype, tensor.device)
+    if ident is not None:
+        bits = _bits(ident.digest(), buf.dtype, buf.device)
         buf[n : n + h].copy_(bits)
     if rider is not None:
         buf[n + h :].copy_(rider.reshape(-1))
     work = dist.all_reduce(buf, group=group, async_op=True)
 
     def finish() -> Optional[Mismatch]:
-        bad = _check_sums(buf[n : n + h], bits * world_size, ident, world_size) if with_header else None
+        bad = _check_sums(buf[n : n + h], bits * world_size, ident, world_size) if bits is not None else None
         if bad is None:
-            tensor.copy_(buf[:n].view_as(tensor))
+            take(buf[:n])
             if rider is not None:
                 rider.copy_(buf[n + h :].view_as(rider))
         _release(buf)
