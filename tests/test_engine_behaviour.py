@@ -193,6 +193,10 @@ def test_parameter_unused_on_one_rank_neither_hangs_nor_corrupts(stage):
         torch.testing.assert_close(sd[k], v, rtol=1e-5, atol=1e-6)
 
 
+# Per step, the ranks that skip ``extra``: none, rank 1 only, none, both.
+SKIPPING = [(), (1,), (), (0, 1)]
+
+
 def _rider_worker(rank, ws, stage):
     import zero_strategy
 
@@ -201,10 +205,10 @@ def _rider_worker(rank, ws, stage):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine = zero_strategy.initialize(model, opt, dict(stage=stage, reduce_bucket_size=70, param_persistence_threshold=0))
     controls = []
-    for step, skips in enumerate([False, True, False]):  # step 1: rank 1 skips ``extra``
+    for step, skipping in enumerate(SKIPPING):
         before = engine.comm.report()["control"].calls
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        engine.backward(model(x, use_extra=not (skips and rank == 1)))
+        engine.backward(model(x, use_extra=rank not in skipping))
         engine.step()
         engine.zero_grad()
         controls.append(engine.comm.report()["control"].calls - before)
@@ -215,19 +219,20 @@ def _rider_worker(rank, ws, stage):
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_usage_agreement_rides_the_last_gradient_collective(stage):
     """[Note: usage rider]: on gloo a step in which every rank got every gradient runs no
-    control collective; one in which a rank missed one runs exactly the agreement, and
-    the result is plain torch's (momentum leaves ``extra`` alone only where no rank used it)."""
+    control collective; one in which a rank missed one runs exactly the agreement.  The
+    result is plain torch's: ``extra`` used on rank 0 only is updated with rank 1's zero
+    contribution, and in the last step, used nowhere, momentum must leave it alone."""
     results = run_distributed(_rider_worker, 2, stage, timeout=120)
     torch.manual_seed(0)
     ref = _Branchy()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step, skips in enumerate([False, True, False]):
+    for step, skipping in enumerate(SKIPPING):
         for rank in (0, 1):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-            (ref(x, use_extra=not (skips and rank == 1)) / 2).backward()
+            (ref(x, use_extra=rank not in skipping) / 2).backward()
         opt.step()
-        opt.zero_grad()
-    assert [controls for controls, _ in results] == [[0, 1, 0]] * 2
+        opt.zero_grad(set_to_none=True)
+    assert [controls for controls, _ in results] == [[0, 1, 0, 1]] * 2
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(results[0][1][k], v, rtol=1e-5, atol=1e-6)
 
