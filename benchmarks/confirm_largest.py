@@ -3,12 +3,14 @@ GPT-2 (the most blocks of the given width whose model states fit in a rank's sha
 RAM, less the reserve) for two steps on N gloo processes, and every rank reports its
 peak resident memory (VmHWM).
 
-A system's maximum is confirmed when the run completes with every rank's peak within
-its share of the host (MemTotal / N).  The table also gives the headroom that is left,
-in blocks of the model (one block more costs the system's per-rank bytes for one
+A size fits when the run completes.  Next to it the table gives every rank's peak
+against its share of what the host had free before the first run (MemAvailable / N,
+less than MemTotal / N by what the system and other processes hold), and the headroom
+left, in blocks of the model (one block more costs the system's per-rank bytes for one
 block's parameters, by the same formulas), so a reader sees whether the estimator's
-reserve was too cautious (headroom of a block or more) or too bold (a rank over its
-share).  ``--extra-blocks K`` runs K blocks above the estimate, to see one fail.
+reserve was too cautious (a block or more to spare) or too bold (a rank over its
+share).  ``--extra-blocks K`` runs K blocks above the estimate, to find the largest
+that really fits.
 
 Each rank also watches the host: when MemAvailable falls below ``--min-available``
 it stops itself and the run is reported as "out of memory" instead of leaving the
@@ -77,18 +79,38 @@ def _meminfo(field: str) -> int:
     raise KeyError(field)
 
 
+_PHASE = ["starting"]  # what the rank is doing, for the host-memory watch's message
+
+
+def _phase(name: str, progress: bool) -> None:
+    if progress:
+        print(f"[{time.strftime('%H:%M:%S')}] {_PHASE[0]} done, peak RSS {_status('VmHWM') / 2**30:,.2f} GiB; "
+              f"now {name}", file=sys.stderr, flush=True)
+    _PHASE[0] = name
+
+
 def _watch_host(rank, queue, min_available: int) -> None:
     """Stop this rank (exit 137) before the host runs out of memory."""
     def watch():
         while True:
             available = _meminfo("MemAvailable")
             if available < min_available:
-                queue.put((rank, "error", f"out of memory: MemAvailable fell to {available / 2**20:,.0f} MiB "
-                                          f"(peak RSS of this rank {_status('VmHWM') / 2**30:,.2f} GiB); stopped"))
+                queue.put((rank, "error", f"out of memory in {_PHASE[0]}: MemAvailable fell to "
+                                          f"{available / 2**20:,.0f} MiB (peak RSS of this rank "
+                                          f"{_status('VmHWM') / 2**30:,.2f} GiB); stopped"))
                 time.sleep(0.5)  # let the queue's feeder thread send it
                 os._exit(137)
             time.sleep(0.2)
     threading.Thread(target=watch, daemon=True, name="host-memory-watch").start()
+
+
+def _wait_for_memory(idle: int, slack: int = 256 * 2**20, timeout: float = 120.0) -> None:
+    """Wait until the host has (nearly) as much free as before the first run: processes
+    of a run that was stopped may still be exiting, and the next run must not pay for
+    them."""
+    deadline = time.monotonic() + timeout
+    while _meminfo("MemAvailable") < idle - slack and time.monotonic() < deadline:
+        time.sleep(1.0)
 
 
 def _config(args):
@@ -167,17 +189,23 @@ def _worker(rank, world_size, store_path, args, queue):
     _watch_host(rank, queue, args.min_available)
     try:
         dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+        progress = args.progress and rank == 0
+        _phase("build", progress)
         t0 = time.perf_counter()
         model, forward, backward, step = _build(args, SYSTEMS[args.system][1], world_size)
         psi = sum(p.numel() for p in model.parameters())
         out = {"params": psi, "build_s": time.perf_counter() - t0, "peak_after_build": _status("VmHWM"),
                "losses": [], "step_s": [], "peak_after_step": []}
         ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(rank))
-        for _ in range(args.steps):
+        for i in range(args.steps):
             t0 = time.perf_counter()
+            _phase(f"step {i + 1} forward", progress)
             loss = forward(ids)
+            _phase(f"step {i + 1} backward", progress)
             backward(loss)
+            _phase(f"step {i + 1} optimizer step", progress)
             step()
+            _phase(f"after step {i + 1}", progress)
             out["losses"].append(loss.item())
             out["step_s"].append(time.perf_counter() - t0)
             out["peak_after_step"].append(_status("VmHWM"))
@@ -226,6 +254,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=2, help="training steps (the second runs with every state allocated)")
     p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--progress", action="store_true", help="rank 0 prints its peak RSS after each phase to stderr")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     for s in args.systems:
@@ -234,24 +263,27 @@ def main(argv=None) -> int:
     if args.ram is None:
         args.ram = _meminfo("MemTotal")
     n = args.world_size
-    share = args.ram // n
     gib = 2**30
-    print(f"N = {n} ranks: RAM {args.ram / gib:,.2f} GiB, share per rank {share / gib:,.2f} GiB, reserve "
+    print(f"N = {n} ranks: RAM {args.ram / gib:,.2f} GiB (MemTotal / N {args.ram / n / gib:,.2f} GiB), reserve "
           f"{args.reserve_per_rank / gib:,.2f} GiB; GPT-2 width {args.n_embd}, vocab {args.vocab}, 1x{args.seq} tokens "
           f"per rank, {args.steps} steps, bf16 + AdamW" + (f"; {args.extra_blocks} block(s) over the estimate"
                                                             if args.extra_blocks else ""))
     print()
-    print("| system | blocks | parameters | model states / rank, formula (GiB) | peak RSS / rank, max over ranks (GiB) "
-          "| within share | headroom (blocks) | s / step | loss, step 1 -> last |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| system | blocks | parameters | model states / rank, formula (GiB) | fits | peak RSS / rank, max over ranks "
+          "(GiB) | share: MemAvailable before the first run / N (GiB) | headroom (blocks) | s / step | loss, step 1 -> last |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    idle = _meminfo("MemAvailable")
+    share = idle // n
     for short, row, blocks, psi, states, per_block in plan(args):
         args.system, args.n_layer = short, blocks
+        _wait_for_memory(idle)
         sys.stdout.flush()
         try:
             results = run_workers(_worker, args, prefix="confirm_largest_")
         except RuntimeError as e:
             reason = "out of memory" if "out of memory" in str(e) else "failed"
-            print(f"| {row} | {blocks} | {psi / 1e9:,.3f}B | {states / gib:,.2f} | - | {reason} | - | - | - |", flush=True)
+            print(f"| {row} | {blocks} | {psi / 1e9:,.3f}B | {states / gib:,.2f} | NO: {reason} | - | "
+                  f"{share / gib:,.2f} | - | - | - |", flush=True)
             print(str(e), file=sys.stderr, flush=True)
             continue
         measured = results[0]["params"]
@@ -261,8 +293,8 @@ def main(argv=None) -> int:
         headroom = (share - peak) / per_block
         step_s = max(r["step_s"][-1] for r in results)
         losses = results[0]["losses"]
-        print(f"| {row} | {blocks} | {psi / 1e9:,.3f}B | {states / gib:,.2f} | {peak / gib:,.2f} | "
-              f"{'yes' if peak <= share else 'NO'} | {headroom:+.1f} | {step_s:,.0f} | "
+        print(f"| {row} | {blocks} | {psi / 1e9:,.3f}B | {states / gib:,.2f} | yes | {peak / gib:,.2f} | "
+              f"{share / gib:,.2f} | {headroom:+.1f} | {step_s:,.0f} | "
               f"{losses[0]:.3f} -> {losses[-1]:.3f} |", flush=True)
     return 0
 

@@ -4,6 +4,14 @@
 
 Prints, per system, rank 0's top operators by self CPU time over the profiled steps, and
 the wall time per step; use it to find where a system loses against DDP.
+
+With ``--memory`` it profiles one step's allocations instead and prints, per system,
+the peak tensor bytes above the start of the step (the benchmarks' "peak tensors" less
+the resident bytes), the operator running at the peak, and the tensors alive at the
+peak grouped by the operators that allocated them; use it to find what one system
+holds at its peak that another does not:
+
+    .venv/bin/python benchmarks/profile_step.py --systems zero3,fsdp2_zero3 --precision fp32 --model 100m --memory
 """
 from __future__ import annotations
 
@@ -47,6 +55,17 @@ def worker(rank, world_size, store_path, args, out_dir):
         for i in range(args.warmup):
             step(batches[i])
         dist.barrier()
+        if args.memory:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                step(batches[args.warmup])
+            if rank == 0:
+                text = f"## {name}: allocations of one step\n{peak_report(prof, args.rows)}\n"
+                with open(os.path.join(out_dir, f"{name}_memory.txt"), "w") as f:
+                    f.write(text)
+                print(text, flush=True)
+            system.close()
+            dist.barrier()
+            continue
         t0 = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for i in range(args.warmup, args.steps):
@@ -64,12 +83,62 @@ def worker(rank, world_size, store_path, args, out_dir):
     os._exit(0)
 
 
+def _where(event) -> str:
+    """The operator that made an allocation, under the outermost operator it ran in."""
+    inner = event.parent
+    outer = inner
+    while outer is not None and outer.parent is not None:
+        outer = outer.parent
+    if inner is None:
+        return "(outside any operator)"
+    return inner.name if outer is inner else f"{outer.name} > {inner.name}"
+
+
+def peak_report(prof, rows: int) -> str:
+    """The step's peak above its start, and what is alive at that peak, by allocating operator."""
+    from torch._C._profiler import _EventType
+
+    allocations, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            allocations.append((e.start_time_ns, e.typed[1].ptr, e.typed[1].alloc_size, e))
+        stack.extend(e.children)
+    allocations.sort(key=lambda a: a[0])
+    running = peak = 0
+    peak_index = -1
+    for i, (_, _, size, _) in enumerate(allocations):
+        running += size
+        if running > peak:
+            peak, peak_index = running, i
+    live = {}  # ptr -> (bytes, where), for what the step allocated and still holds at the peak
+    for _, ptr, size, e in allocations[:peak_index + 1]:
+        if size > 0:
+            live[ptr] = (size, _where(e))
+        else:
+            live.pop(ptr, None)
+    by_where = {}
+    for size, where in live.values():
+        count, total = by_where.get(where, (0, 0))
+        by_where[where] = (count + 1, total + size)
+    lines = [f"peak above the start of the step: {peak / 1e6:,.1f} MB, reached in "
+             f"{_where(allocations[peak_index][3]) if peak_index >= 0 else '-'}",
+             f"alive at the peak, allocated in this step: {sum(s for s, _ in live.values()) / 1e6:,.1f} MB "
+             "(the rest of the peak: tensors from before the step freed by then count negative)", "",
+             f"{'MB':>10} {'tensors':>8}  allocated in"]
+    for where, (count, total) in sorted(by_where.items(), key=lambda kv: -kv[1][1])[:rows]:
+        lines.append(f"{total / 1e6:10,.1f} {count:8d}  {where}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--systems", default="ddp,zero3")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="bf16")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--memory", action="store_true",
+                   help="profile one step's allocations: the peak and what is alive at it, by operator")
     p.add_argument("--out-dir", default=None, help="write <system>.txt here (default: a temp dir)")
     bench_core.add_model_args(p)
     args = p.parse_args(argv)
