@@ -98,3 +98,47 @@ def test_largest_model_formulas_match_the_engine(capsys):
     ddp = next(l for l in out.splitlines() if l.startswith("| DDP"))
     assert f"({(12 * gib - 2 * gib) // 20:,})" in ddp, ddp
     assert "| DeepSpeed |" in out
+
+
+def test_confirm_largest_plans_the_model_transformers_builds():
+    """benchmarks/confirm_largest.py trains, per system, the GPT-2 that largest_model.py's
+    shape arithmetic says has Ψ parameters: transformers, building that shape on the meta
+    device, must count exactly Ψ, and Ψ must be the most whole blocks whose model states
+    fit the budget (one block more does not)."""
+    import argparse
+
+    import torch
+    import transformers
+
+    confirm = _import_bench("confirm_largest")
+    gib = 2**30
+    args = argparse.Namespace(world_size=2, ram=gib, reserve_per_rank=gib // 4, extra_blocks=0,
+                              systems=list(confirm.SYSTEMS), n_embd=256, n_head=4, vocab=4096, seq=64)
+    budget = args.ram // 2 - args.reserve_per_rank
+    rows = {name: ram for name, ram, _, _ in _import_bench("largest_model").systems()}
+    for short, row, blocks, psi, states, per_block in confirm.plan(args):
+        cfg = transformers.GPT2Config(n_layer=blocks, n_embd=256, n_head=4, vocab_size=4096, n_positions=64)
+        with torch.device("meta"):
+            built = sum(p.numel() for p in transformers.GPT2LMHeadModel(cfg).parameters())
+        assert built == psi, (short, blocks, built, psi)
+        assert states == rows[row](psi, 2) <= budget, short
+        assert states + per_block > budget, short  # the next block would not fit
+
+
+def test_profile_step_peak_report_finds_what_is_alive_at_the_peak():
+    """benchmarks/profile_step.py --memory: on allocations of known sizes, the peak is the
+    largest running total and the tensors listed are the ones alive at that moment."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    profile_step = _import_bench("profile_step")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.empty(1_000_000, dtype=torch.uint8)
+        b = torch.zeros(2_000_000, dtype=torch.uint8)
+        del a
+        c = torch.ones(500_000, dtype=torch.uint8)  # after a is gone: below the 3 MB peak
+        del b, c
+    lines = profile_step.peak_report(prof, rows=10).splitlines()
+    assert lines[0].startswith("peak above the start of the step: 3.0 MB"), lines[0]
+    alive = {where: float(mb) for mb, _, where in (line.split(None, 2) for line in lines[4:])}
+    assert alive == {"aten::empty": 1.0, "aten::zeros > aten::empty": 2.0}, lines
