@@ -113,6 +113,20 @@ def _wait_for_memory(idle: int, slack: int = 256 * 2**20, timeout: float = 120.0
         time.sleep(1.0)
 
 
+def _settled_available(timeout: float = 60.0) -> int:
+    """MemAvailable once it has stopped rising (an earlier invocation's stopped processes
+    may still be handing their memory back)."""
+    deadline = time.monotonic() + timeout
+    last = _meminfo("MemAvailable")
+    while time.monotonic() < deadline:
+        time.sleep(2.0)
+        now = _meminfo("MemAvailable")
+        if now - last < 64 * 2**20:
+            return max(now, last)
+        last = now
+    return last
+
+
 def _config(args):
     from transformers import GPT2Config
 
@@ -133,7 +147,7 @@ def _fill_like_gpt2(named_tensors) -> None:
 
 
 def _build(args, spec, world_size):
-    """(model, optimizer, forward(ids) -> loss, backward(loss), step())."""
+    """(model, forward(ids) -> loss, backward(loss), step()) for one system, built its way."""
     import transformers
 
     transformers.logging.set_verbosity_error()
@@ -272,7 +286,7 @@ def main(argv=None) -> int:
     print("| system | blocks | parameters | model states / rank, formula (GiB) | fits | peak RSS / rank, max over ranks "
           "(GiB) | share: MemAvailable before the first run / N (GiB) | headroom (blocks) | s / step | loss, step 1 -> last |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    idle = _meminfo("MemAvailable")
+    idle = _settled_available()
     share = idle // n
     for short, row, blocks, psi, states, per_block in plan(args):
         args.system, args.n_layer = short, blocks
