@@ -28,11 +28,12 @@ class FakeComm:
     def __init__(self, world_size: int) -> None:
         self.world_size, self.rank = world_size, 0
         self.calls = []
-        self.peers = None  # list of per-rank objects with gather_input()
+        self.peers = None  # per-rank ParamShards: rank r contributes its shard (or its master, cast)
 
     def all_gather(self, full_out, shard_in, async_op=True, label=""):
         self.calls.append(("all_gather", label, full_out.numel()))
-        parts = [p.gather_input() for p in self.peers] if self.peers else [shard_in] * self.world_size
+        parts = ([p.shard if p.shard is not None else p.master for p in self.peers] if self.peers
+                 else [shard_in] * self.world_size)
         full_out.copy_(torch.cat([t.to(full_out.dtype) for t in parts]))
         return _Done()
 
@@ -89,6 +90,34 @@ def test_partitioned_bf16_shard_keeps_only_the_fp32_master_and_gathers_the_cast(
     s.release()
     assert s.state is ShardState.SHARDED and s.full.untyped_storage().nbytes() == 0
     assert comm.calls == [("all_gather", "unit x", s.layout.padded_numel)]
+
+
+def test_partitioned_gather_allocates_only_the_full_buffer():
+    """Casting the fp32 master for a stage-3 gather makes no shard-sized temporary: the
+    only memory the gather takes is the gathered unit itself (this rank's chunk of it
+    is the all-gather's input), so nothing more is alive while gathers are in flight."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _, shards = _stage3_shards(2, keep_master=True)
+    s = shards[0]
+    seen = []
+
+    class RecordingComm:
+        def all_gather(self, full_out, shard_in, async_op=True, label=""):
+            seen.append((full_out.untyped_storage().data_ptr(), shard_in.untyped_storage().data_ptr(),
+                         shard_in.numel()))
+            return _Done()
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        s.start_gather(RecordingComm(), "u")
+        s.finish_gather()
+    allocated = sum(e.nbytes() for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.nbytes() > 0)
+    assert allocated == s.layout.padded_numel * 2, allocated  # the bf16 unit, nothing else
+    full_ptr, in_ptr, n = seen[0]
+    assert in_ptr == full_ptr and n == s.layout.shard_numel
+    lo, hi = s.layout.shard_range(0)
+    assert torch.equal(s.full[lo:hi], s.master.to(torch.bfloat16))  # its own chunk holds the cast
 
 
 def test_write_reaches_every_copy_and_only_the_owned_range():

@@ -46,7 +46,7 @@ OVERHEAD_DESCRIPTIONS = {
 
 SAVING_DESCRIPTIONS = {
     "compute_param_shard": "stage 3 with fp16/bf16 keeps no 16-bit parameter shard: the compute copy is "
-                           "cast from the fp32 master for each all-gather (p*Psi/N of the formula)",
+                           "cast from the fp32 master into its place in each all-gather's output (p*Psi/N of the formula)",
 }
 
 

@@ -96,7 +96,7 @@ class ParamShard:
         self._after_gather = after_gather  # disk offload: drop the file-backed shard's pages again
         self._after_write = after_write  # disk offload: told how many bytes were written (bounds dirty pages)
         # A partitioned unit whose master sits beside it needs no 16-bit shard: the
-        # all-gather input is cast from the master when gathering.  A master on disk is
+        # master is cast into the gather's own chunk when gathering (gather_input).  A master on disk is
         # not beside it (reading it each gather would page it in).
         keeps_compute_shard = whole or self.master is None or master_device != device or master_alloc is not None
         # A partitioned unit's full buffer is freed below without ever being written:
@@ -194,17 +194,26 @@ class ParamShard:
 
     # -- gathering (partitioned units) ---------------------------------------------------------
     def gather_input(self) -> torch.Tensor:
-        """What this rank contributes to an all-gather of the compute-dtype values."""
+        """What this rank contributes to an all-gather of the compute-dtype values (with
+        the full buffer allocated).
+
+        Without a 16-bit shard the values are cast from the master straight into this
+        rank's own chunk of the gather's output, which is then the gather's input (an
+        in-place all-gather, which NCCL and gloo both accept): no shard-sized temporary
+        lives while the gather is in flight, beside the gathered unit and the prefetched
+        one."""
         if self.shard is not None:
             # A shard kept on disk is on the host: a device all-gather needs it moved.
             return self.shard if self.shard.device == self.device else self.shard.to(self.device)
-        return self.master.to(self.compute_dtype)
+        own = self.full.data[self.lo : self.hi]
+        own.copy_(self.master)
+        return own
 
     def start_gather(self, comm, label: str) -> None:
         if self.state is not ShardState.SHARDED:
             return
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
-        # Held until the gather completes: a cast from the master is a temporary.
+        # Held until the gather completes (a shard moved from the host is a temporary).
         self._gather_source = self.gather_input()
         # Write through ``.data`` so the all-gather does not bump autograd version counters.
         self._gather_work = comm.all_gather(self.full.data, self._gather_source, async_op=True, label=label)
@@ -214,11 +223,12 @@ class ParamShard:
         if self.state is ShardState.GATHERING:
             self._gather_work.wait()
             self._gather_work = None
-            if self._gather_source is not self.shard and self._gather_source is not self.master:
-                # The cast from the master was a temporary; the communicator keeps recent
-                # work handles (and through them their tensors) alive for a while, so
-                # give its memory back explicitly.
-                self._gather_source.untyped_storage().resize_(0)
+            source = self._gather_source
+            if source is not self.shard and source.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr():
+                # A shard moved from the host was a temporary; the communicator keeps
+                # recent work handles (and through them their tensors) alive for a while,
+                # so give its memory back explicitly.
+                source.untyped_storage().resize_(0)
             self._gather_source = None
             self.state = ShardState.GATHERED
             if self._after_gather is not None:
