@@ -46,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 
 import largest_model  # noqa: E402
 from spawn import run_workers  # noqa: E402
+from systems import peak_rss_bytes  # noqa: E402
 from zero_strategy.cli import parse_bytes  # noqa: E402
 from zero_strategy.estimate import largest_fitting  # noqa: E402
 
@@ -63,14 +64,6 @@ SYSTEMS = {
 }
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _meminfo(field: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -84,7 +77,7 @@ _PHASE = ["starting"]  # what the rank is doing, for the host-memory watch's mes
 
 def _phase(name: str, progress: bool) -> None:
     if progress:
-        print(f"[{time.strftime('%H:%M:%S')}] {_PHASE[0]} done, peak RSS {_status('VmHWM') / 2**30:,.2f} GiB; "
+        print(f"[{time.strftime('%H:%M:%S')}] {_PHASE[0]} done, peak RSS {peak_rss_bytes() / 2**30:,.2f} GiB; "
               f"now {name}", file=sys.stderr, flush=True)
     _PHASE[0] = name
 
@@ -97,7 +90,7 @@ def _watch_host(rank, queue, min_available: int) -> None:
             if available < min_available:
                 queue.put((rank, "error", f"out of memory in {_PHASE[0]}: MemAvailable fell to "
                                           f"{available / 2**20:,.0f} MiB (peak RSS of this rank "
-                                          f"{_status('VmHWM') / 2**30:,.2f} GiB); stopped"))
+                                          f"{peak_rss_bytes() / 2**30:,.2f} GiB); stopped"))
                 time.sleep(0.5)  # let the queue's feeder thread send it
                 os._exit(137)
             time.sleep(0.2)
@@ -208,7 +201,7 @@ def _worker(rank, world_size, store_path, args, queue):
         t0 = time.perf_counter()
         model, forward, backward, step = _build(args, SYSTEMS[args.system][1], world_size)
         psi = sum(p.numel() for p in model.parameters())
-        out = {"params": psi, "build_s": time.perf_counter() - t0, "peak_after_build": _status("VmHWM"),
+        out = {"params": psi, "build_s": time.perf_counter() - t0, "peak_after_build": peak_rss_bytes(),
                "losses": [], "step_s": [], "peak_after_step": []}
         ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(rank))
         for i in range(args.steps):
@@ -222,7 +215,7 @@ def _worker(rank, world_size, store_path, args, queue):
             _phase(f"after step {i + 1}", progress)
             out["losses"].append(loss.item())
             out["step_s"].append(time.perf_counter() - t0)
-            out["peak_after_step"].append(_status("VmHWM"))
+            out["peak_after_step"].append(peak_rss_bytes())
         buf = io.BytesIO()
         torch.save(out, buf)
         queue.put((rank, "ok", buf.getvalue()))
@@ -286,7 +279,7 @@ def main(argv=None) -> int:
     print("| system | blocks | parameters | model states / rank, formula (GiB) | fits | peak RSS / rank, max over ranks "
           "(GiB) | share: MemAvailable before the first run / N (GiB) | headroom (blocks) | s / step | loss, step 1 -> last |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    idle = _settled_available()
+    idle = min(_settled_available(), args.ram)  # --ram may stand for a smaller machine
     share = idle // n
     for short, row, blocks, psi, states, per_block in plan(args):
         args.system, args.n_layer = short, blocks

@@ -59,28 +59,26 @@ def worker(rank, world_size, store_path, args, out_dir):
             with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
                 step(batches[args.warmup])
             if rank == 0:
-                text = f"## {name}: allocations of one step\n{peak_report(prof, args.rows)}\n"
-                with open(os.path.join(out_dir, f"{name}_memory.txt"), "w") as f:
-                    f.write(text)
-                print(text, flush=True)
-            system.close()
-            dist.barrier()
-            continue
-        t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for i in range(args.warmup, args.steps):
-                step(batches[i])
-        wall = (time.perf_counter() - t0) / (args.steps - args.warmup)
-        if rank == 0:
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
-            text = f"## {name}: {wall:.3f} s/step (profiled)\n{table}\n"
-            with open(os.path.join(out_dir, f"{name}.txt"), "w") as f:
-                f.write(text)
-            print(text, flush=True)
+                _report(out_dir, f"{name}_memory.txt", f"## {name}: allocations of one step\n{peak_report(prof, args.rows)}")
+        else:
+            t0 = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for i in range(args.warmup, args.steps):
+                    step(batches[i])
+            wall = (time.perf_counter() - t0) / (args.steps - args.warmup)
+            if rank == 0:
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
+                _report(out_dir, f"{name}.txt", f"## {name}: {wall:.3f} s/step (profiled)\n{table}")
         system.close()
         dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
+
+
+def _report(out_dir: str, filename: str, text: str) -> None:
+    with open(os.path.join(out_dir, filename), "w") as f:
+        f.write(text + "\n")
+    print(text + "\n", flush=True)
 
 
 def _where(event) -> str:
