@@ -223,12 +223,11 @@ class ParamShard:
         if self.state is ShardState.GATHERING:
             self._gather_work.wait()
             self._gather_work = None
-            source = self._gather_source
-            if source is not self.shard and source.untyped_storage().data_ptr() != self.full.untyped_storage().data_ptr():
-                # A shard moved from the host was a temporary; the communicator keeps
-                # recent work handles (and through them their tensors) alive for a while,
-                # so give its memory back explicitly.
-                source.untyped_storage().resize_(0)
+            if self.shard is not None and self._gather_source is not self.shard:
+                # The only temporary gather_input makes: a shard moved from the host.  The
+                # communicator keeps recent work handles (and through them their tensors)
+                # alive for a while, so give its memory back explicitly.
+                self._gather_source.untyped_storage().resize_(0)
             self._gather_source = None
             self.state = ShardState.GATHERED
             if self._after_gather is not None:
