@@ -267,3 +267,61 @@ def test_gloo_reduce_scatter_runs_in_place_on_a_scratch_bucket_with_header_room(
         assert result[(True, 0, False)] == (True, False, None), result
         assert result[(False, HEADER_ROOM, False)] == (True, False, None), result
         assert result[(True, HEADER_ROOM, True)] == (True, True, 1.0), result  # riders 0 + 1
+
+
+def _staged_gather_worker(rank, ws):
+    import torch.nn as nn
+
+    from zero_strategy import collectives as C
+    from zero_strategy.comm import Communicator
+    from zero_strategy.layout import FlatLayout
+    from zero_strategy.param_shard import ParamShard, ShardState
+
+    seen = []
+    original = C.all_gather_tensor
+
+    def spy(out, inp, *args, **kwargs):
+        seen.append((out.untyped_storage().data_ptr(), out.numel(), inp.data_ptr(), inp.numel(), out.element_size()))
+        return original(out, inp, *args, **kwargs)
+
+    C.all_gather_tensor = spy
+    comm = Communicator(None)
+    results = {}
+    try:
+        for dtype in (torch.float32, torch.bfloat16):  # fp32: the shard is the input; bf16: the master, cast
+            g = torch.Generator().manual_seed(7)  # the same values on every rank
+            originals = [torch.randn(s, generator=g) for s in ((33, 5), (17,), (4, 4))]
+            params = [nn.Parameter(t.clone()) for t in originals]
+            layout = FlatLayout(tuple(p.numel() for p in params), ws)
+            s = ParamShard(params, layout, rank, whole=False, compute_dtype=dtype, keep_master=dtype != torch.float32,
+                           device=torch.device("cpu"), master_device=torch.device("cpu"))
+            seen.clear()
+            s.start_gather(comm, "a test unit")
+            in_flight = (s.state is ShardState.GATHERING, s.full.untyped_storage().nbytes())
+            s.finish_gather()
+            out_ptr, out_numel, in_ptr, in_numel, size = seen[0]
+            row = in_numel  # this rank's row: payload then header
+            results[str(dtype)] = dict(
+                in_flight=in_flight,
+                input_is_own_row=in_ptr == out_ptr + rank * row * size and out_numel == ws * row,
+                staging_is_not_the_unit=out_ptr != s.full.untyped_storage().data_ptr(),
+                values=all(torch.equal(p.data, t.to(dtype)) for p, t in zip(s.params, originals)),
+            )
+            s.release()
+    finally:
+        C.all_gather_tensor = original
+    return results
+
+
+@pytest.mark.slow
+def test_gloo_gather_in_flight_holds_one_full_sized_buffer():
+    """With headers (gloo) an all-gather runs in place in one staging buffer (this
+    rank's row is the input) and the stage-3 unit's own full buffer is allocated only
+    when the gather has completed, so a prefetch overlapping computation holds one
+    full-sized buffer, not a send copy, the staging and the destination
+    ([Note: staged gathers]).  The gathered values are the originals (cast in bf16)."""
+    for result in run_distributed(_staged_gather_worker, 2):
+        for dtype, r in result.items():
+            assert r["in_flight"] == (True, 0), (dtype, r)
+            assert r["input_is_own_row"] and r["staging_is_not_the_unit"], (dtype, r)
+            assert r["values"], (dtype, r)

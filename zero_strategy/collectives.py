@@ -37,6 +37,14 @@ dtype rounds.  Not on NCCL: its reduce-scatter gives each rank only its slice.
 The headers cost a staging copy of each buffer (the payload cannot be followed in
 place by a header); the staging storage is released as soon as each collective
 finishes.  The communicator counts the payload only (comm_report, 2Ψ / 3Ψ).
+
+[Note: staged gathers]
+An all-gather with headers gathers into one staging buffer of N rows (payload, then
+header), whose own row is also the input, so a gather in flight holds one full-sized
+buffer (plus what gloo stages internally), not a send copy, the staging and the
+destination.  The destination (a stage-3 unit's full buffer) can be allocated when the
+gather completes (``allocate_out``): a prefetched gather then holds no second
+full-sized buffer through the computation it overlaps.
 """
 from __future__ import annotations
 
@@ -165,18 +173,29 @@ class Pending:
 
 
 # -- raw headers: each rank's chunk carries its own -------------------------------------------
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity]) -> Pending:
-    """Concatenate every rank's ``inp`` into ``out`` (rank order)."""
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity], *,
+               rank: Optional[int] = None, allocate_out: Optional[Callable[[], None]] = None) -> Pending:
+    """Concatenate every rank's ``inp`` into ``out`` (rank order); ``inp`` is cast to
+    ``out``'s dtype on the header path.
+
+    ``allocate_out``: ``out``'s storage is not there yet and this gives it back.  With a
+    header the payload first lands in a staging buffer, so ``out`` is only allocated once
+    the gather has completed ([Note: staged gathers]); without one it is allocated now."""
     if ident is None:
+        if allocate_out is not None:
+            allocate_out()
         return Pending(all_gather_tensor(out, inp, group=group, async_op=True))
+    if rank is None:
+        rank = dist.get_rank(group)
     n = inp.numel()
-    h = header_elements(inp.dtype)
-    send = torch.empty(n + h, dtype=inp.dtype, device=inp.device)
-    send[:n].copy_(inp.reshape(-1))
-    _write_raw(send[n:], ident)
-    recv = torch.empty(world_size * (n + h), dtype=inp.dtype, device=inp.device)
+    h = header_elements(out.dtype)
+    recv = torch.empty(world_size * (n + h), dtype=out.dtype, device=inp.device)
     rows = recv.view(world_size, n + h)
     rows[:, n:].view(torch.uint8).zero_()
+    # This rank's own row is the input (an in-place all-gather): no separate send buffer.
+    send = rows[rank]
+    send[:n].copy_(inp.reshape(-1))
+    _write_raw(send[n:], ident)
     work = all_gather_tensor(recv, send, group=group, async_op=True)
 
     def finish() -> Optional[Mismatch]:
@@ -184,11 +203,13 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ide
         mine = (ident.what, ident.where)
         bad = [(r, g) for r, g in enumerate(got) if g != mine]
         if not bad:
+            if allocate_out is not None:
+                allocate_out()
             if out.is_contiguous():
                 out.view(world_size, n).copy_(rows[:, :n])
             else:
                 out.copy_(rows[:, :n].reshape(out.shape))
-        _release(send, recv)
+        _release(recv)
         return Mismatch(ident, bad, "") if bad else None
 
     return Pending(work, finish)

@@ -42,7 +42,7 @@ import weakref
 import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -381,15 +381,28 @@ class Communicator:
         return self._issue(C.reduce_scatter(shard_out, full_in, self.group, self.world_size, ident, via_all_reduce=self._gloo,
                                            inp_is_scratch=scratch, rider=rider), position, async_op)
 
-    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True, label: str = "parameters"):
-        """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order)."""
+    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True, label: str = "parameters",
+                   allocate_out: Optional[Callable[[], None]] = None):
+        """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order).
+        ``allocate_out``: gives ``full_out`` its storage, called once it is about to be
+        written, which with :attr:`stages_gathers` is when the gather has completed."""
         self._count("all_gather", full_out.numel(), full_out.element_size())
         if self.world_size == 1:
+            if allocate_out is not None:
+                allocate_out()
             if full_out.data_ptr() != shard_in.data_ptr():
                 full_out.copy_(shard_in)
             return _DoneWork()
         position, ident = self._enter("all_gather", label, shard_in, shard_in.numel())
-        return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident), position, async_op)
+        return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident, rank=self.rank,
+                                        allocate_out=allocate_out), position, async_op)
+
+    @property
+    def stages_gathers(self) -> bool:
+        """Whether an all-gather goes through a staging buffer of its own, so its input
+        may be any tensor (cast on the way in) and its output is written only once it
+        has completed ([Note: staged gathers] in collectives.py)."""
+        return self.headers and self.world_size > 1
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, label: str = "gradients",
                    rider: Optional[torch.Tensor] = None):
@@ -420,7 +433,7 @@ class Communicator:
             return _ControlResult(tensor, self._issue(C.Pending(work), position, True))
         flat = tensor.detach().reshape(-1)
         rows = torch.empty(self.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
-        work = self._issue(C.all_gather(rows, flat, self.group, self.world_size, ident), position, True)
+        work = self._issue(C.all_gather(rows, flat, self.group, self.world_size, ident, rank=self.rank), position, True)
         return _ControlResult(tensor, work, lambda: C.reduce_gathered(rows.view(self.world_size, -1), op))
 
     def all_gather_for_state(self, full_out: torch.Tensor, shard_in: torch.Tensor, label: str = "a state dict") -> None:
@@ -430,7 +443,7 @@ class Communicator:
             full_out.copy_(shard_in)
         else:
             position, ident = self._enter("all_gather", label, shard_in, shard_in.numel())
-            self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident), position, False)
+            self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident, rank=self.rank), position, False)
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str = "parameters") -> None:
         """Synchronous broadcast from group rank ``src`` (counted as ``broadcast``)."""
@@ -451,13 +464,13 @@ class Communicator:
         sizes = torch.empty(self.world_size, dtype=torch.int64, device=data.device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=data.device)
         position, ident = self._enter("all_gather_object", f"the sizes of {label}", mine, 1)
-        self._issue(C.all_gather(sizes, mine, self.group, self.world_size, ident), position, False)
+        self._issue(C.all_gather(sizes, mine, self.group, self.world_size, ident, rank=self.rank), position, False)
         longest = int(sizes.max())
         padded = torch.zeros(longest, dtype=torch.uint8, device=data.device)
         padded[: data.numel()] = data
         out = torch.empty(self.world_size * longest, dtype=torch.uint8, device=data.device)
         position, ident = self._enter("all_gather_object", label, padded, longest)
-        self._issue(C.all_gather(out, padded, self.group, self.world_size, ident), position, False)
+        self._issue(C.all_gather(out, padded, self.group, self.world_size, ident, rank=self.rank), position, False)
         rows = out.view(self.world_size, longest).cpu()
         return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
 
@@ -472,7 +485,7 @@ class Communicator:
             self._issue(C.Pending(dist.barrier(group=self.group, async_op=True)), position, False)
         else:
             out = torch.empty(0, dtype=torch.int64, device=empty.device)
-            self._issue(C.all_gather(out, empty, self.group, self.world_size, ident), position, False)
+            self._issue(C.all_gather(out, empty, self.group, self.world_size, ident, rank=self.rank), position, False)
 
 
 __all__: List[str] = ["Communicator", "CommReport", "CollectiveError"]

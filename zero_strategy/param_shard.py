@@ -212,19 +212,33 @@ class ParamShard:
     def start_gather(self, comm, label: str) -> None:
         if self.state is not ShardState.SHARDED:
             return
-        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
-        # Held until the gather completes (a shard moved from the host is a temporary).
-        self._gather_source = self.gather_input()
-        # Write through ``.data`` so the all-gather does not bump autograd version counters.
-        self._gather_work = comm.all_gather(self.full.data, self._gather_source, async_op=True, label=label)
+        if comm.stages_gathers:
+            # The gather lands in the communicator's staging buffer first, so the full
+            # buffer is allocated only when it has completed: a prefetch in flight holds
+            # one full-sized buffer, not two ([Note: staged gathers] in collectives.py).
+            # The master (without a 16-bit shard) is cast on its way into the staging.
+            source = self.shard if self.shard is not None else self.master
+            self._gather_source = source if source.device == self.device else source.to(self.device)
+            # Written through ``.data`` so the all-gather does not bump autograd version counters.
+            self._gather_work = comm.all_gather(self.full.data, self._gather_source, async_op=True, label=label,
+                                                allocate_out=self._allocate_full)
+        else:
+            self._allocate_full()
+            # Held until the gather completes (a shard moved from the host is a temporary).
+            self._gather_source = self.gather_input()
+            self._gather_work = comm.all_gather(self.full.data, self._gather_source, async_op=True, label=label)
         self.state = ShardState.GATHERING
+
+    def _allocate_full(self) -> None:
+        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
 
     def finish_gather(self) -> None:
         if self.state is ShardState.GATHERING:
             self._gather_work.wait()
             self._gather_work = None
-            if self.shard is not None and self._gather_source is not self.shard:
-                # The only temporary gather_input makes: a shard moved from the host.  The
+            if self._gather_source is not self.shard and self._gather_source is not self.master \
+                    and self.shard is not None:
+                # The only temporary made above: a shard moved from the host.  The
                 # communicator keeps recent work handles (and through them their tensors)
                 # alive for a while, so give its memory back explicitly.
                 self._gather_source.untyped_storage().resize_(0)
