@@ -166,9 +166,10 @@ def test_sharded_grads_accumulate_reduce_and_free_between_steps():
     for i, (p, g) in enumerate(zip(params, local)):
         p.grad = g.clone()
         grads.accept(i)
-        assert p.grad is None  # folded into the bucket
+        assert p.grad is not None and grads.bucket is None  # waits where autograd put it
     assert grads.complete
     full = grads.reduction_input(2)
+    assert all(p.grad is None for p in params)  # folded into the bucket
     out = grads.reduction_output()
     comm.reduce_scatter(out, full)
     grads.finish_reduction(out)
@@ -181,23 +182,25 @@ def test_sharded_grads_accumulate_reduce_and_free_between_steps():
     assert torch.equal(grads.reduced(), torch.zeros(layout.shard_numel))  # re-grown as zeros
 
 
-def test_sharded_grads_make_no_bucket_while_only_small_gradients_arrived():
-    # The root unit's final norm gets its gradient first in backward, its embedding last:
-    # no unit-sized bucket may sit beside the activations until a large gradient comes.
+def test_sharded_grads_make_the_bucket_only_when_the_unit_is_reduced():
+    # No unit-sized bucket sits beside the activations while backward runs: a block's
+    # gradients wait in p.grad (the root unit's final norm gets its gradient first in
+    # backward, its embedding last) until the reducer launches the unit.
     params = _params(shapes=((100, 10), (4,), (4,)))
     layout = FlatLayout(tuple(p.numel() for p in params), 2)
     grads = ShardedGrads(params, layout, 0, compute_dtype=torch.float32, reduce_dtype=torch.float32, device=torch.device("cpu"))
     local = [torch.randn_like(p) for p in params]
     before = grads.bytes()["gradients"]
-    for i in (2, 1):
+    for i in (2, 1, 0):  # the large gradient last, as the embedding's comes
         params[i].grad = local[i].clone()
         grads.accept(i)
         assert grads.bucket is None and params[i].grad is not None
-    assert grads.bytes()["communication_buffers"] == 0 and grads.bytes()["gradients"] == before + 8 * 4
-    params[0].grad = local[0].clone()
-    grads.accept(0)
-    assert grads.bucket is not None and all(p.grad is None for p in params)
+    # What waits is the unit's full-size gradient, counted as the bucket it becomes.
+    assert grads.bytes()["communication_buffers"] == (layout.numels[0] + 8) * 4
+    assert grads.bytes()["gradients"] == before
+    assert grads.complete
     full = grads.reduction_input(1)
+    assert grads.bucket is not None and all(p.grad is None for p in params)
     torch.testing.assert_close(full[: layout.numels[0] + 8], torch.cat([g.reshape(-1) for g in local]))
     # Only small gradients in a backward: the reduction makes the bucket from them.
     grads.zero()

@@ -9,10 +9,10 @@ class                     stage                       what persists until step()
                                                       reduction only this rank's slice
                                                       is kept (the rest is zeroed)
 :class:`ShardedGrads`     2 and 3                     this rank's reduced slice only;
-                                                      the full-size gradient is a
-                                                      bucket that lives from the
-                                                      unit's first large gradient to
-                                                      the end of its reduce-scatter
+                                                      the full-size gradient waits
+                                                      in ``p.grad`` and becomes a
+                                                      bucket when the unit is
+                                                      reduced, freed after it
 ========================  ==========================  ===============================
 
 Each exposes the same small protocol to the reducer (:meth:`accept`, ``complete``,
@@ -247,10 +247,9 @@ class ShardedGrads(_GradStorage):
         else:
             self.slice = torch.zeros(n, dtype=dtype, device=where, pin_memory=pin)
         self.bucket: Optional[torch.Tensor] = None  # the full-size gradient, during backward
-        # Small gradients that arrived before the bucket exists stay in ``p.grad``
-        # ([Note: deferred bucket]); position -> numel.
-        self._deferred: dict = {}
-        self._deferred_numel = 0
+        # Positions whose gradient waits in ``p.grad`` until the unit is reduced
+        # ([Note: deferred bucket]).
+        self._deferred: set = set()
         self._slice_fresh = True
 
     def _new_full(self) -> torch.Tensor:
@@ -260,26 +259,25 @@ class ShardedGrads(_GradStorage):
         return room[: self.layout.padded_numel]
 
     # [Note: deferred bucket]
-    # A unit's parameters may be used far apart: the root unit holds the final norm
-    # (its gradient comes first in backward) and the embedding (its gradient comes
-    # last).  Allocating the unit-sized bucket at the first gradient would keep it
-    # beside every activation for the whole backward, at the moment memory peaks.  So
-    # gradients that together stay under an eighth of the unit wait in ``p.grad`` (where
-    # autograd put them; no copy, no more memory than the bucket would use) and the
-    # bucket is made when a larger one arrives or the unit is reduced.
+    # A unit's gradients wait in ``p.grad``, where autograd put them (no copy, and never
+    # more memory than the bucket), until the reducer launches the unit; only then is
+    # the unit-sized bucket made and filled.  Made at the unit's first large gradient,
+    # the bucket would sit whole beside the activations its own backward has not freed
+    # yet, at the start of the block's backward, where stage 3's peak is (with the block
+    # in use and the one being prefetched).  Made at launch it costs, for a moment, the
+    # bucket beside the gradients it takes in, when the block's activations are gone.
+    # Measured on GPT-2, 2 gloo ranks, the step's peak tensor bytes above its start:
+    # 100M fp32 779 -> 757 MB, a 4-block 2560-wide model in bf16 1202 -> 1135 MB
+    # (benchmarks/profile_step.py --memory).  It also keeps the root unit's bucket
+    # (the final norm's gradient comes first in backward, the embedding's last) from
+    # living through the whole backward.
 
     def accept(self, pos: int) -> None:
         p = self.params[pos]
         if p.grad is not None:
             self.received.add(pos)
             if self.bucket is None:
-                if pos not in self._deferred:
-                    self._deferred[pos] = p.numel()
-                    self._deferred_numel += p.numel()
-                if self._deferred_numel * 8 < self.layout.padded_numel:
-                    self.ready.add(pos)
-                    return
-                self._make_bucket()
+                self._deferred.add(pos)
             else:
                 self._take(pos)
         self.ready.add(pos)
@@ -291,11 +289,10 @@ class ShardedGrads(_GradStorage):
 
     def _make_bucket(self) -> None:
         self.bucket = self._new_full()
-        for pos in self._deferred:
+        for pos in sorted(self._deferred):
             if self.params[pos].grad is not None:
                 self._take(pos)
         self._deferred.clear()
-        self._deferred_numel = 0
 
     def reduction_input(self, world_size: int) -> torch.Tensor:
         if self.bucket is None:
@@ -351,15 +348,15 @@ class ShardedGrads(_GradStorage):
         for pos in self._deferred:  # a backward that never reached this unit's reduction
             self.params[pos].grad = None
         self._deferred.clear()
-        self._deferred_numel = 0
         self._slice_fresh = True
         self.ready.clear()
         self.received.clear()
 
     def bytes(self) -> dict:
         slice_bytes = _nbytes(self.slice)
+        # Full-size gradients waiting for the unit's reduction are the bucket's, not yet made.
         deferred = sum(_nbytes(self.params[pos].grad) for pos in self._deferred)
-        return {"gradients": slice_bytes + deferred, "communication_buffers": _nbytes(self.bucket),
+        return {"gradients": slice_bytes, "communication_buffers": _nbytes(self.bucket) + deferred,
                 "offloaded": slice_bytes if self.offloaded else 0}
 
 
