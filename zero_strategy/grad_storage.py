@@ -246,7 +246,7 @@ class ShardedGrads(_GradStorage):
             self.slice.untyped_storage().resize_(0)
         else:
             self.slice = torch.zeros(n, dtype=dtype, device=where, pin_memory=pin)
-        self.bucket: Optional[torch.Tensor] = None  # the full-size gradient, during backward
+        self.bucket: Optional[torch.Tensor] = None  # the full-size gradient, from launch to the end of its reduction
         # Positions whose gradient waits in ``p.grad`` until the unit is reduced
         # ([Note: deferred bucket]).
         self._deferred: set = set()
