@@ -142,3 +142,18 @@ def test_profile_step_peak_report_finds_what_is_alive_at_the_peak():
     assert lines[0].startswith("peak above the start of the step: 3.0 MB"), lines[0]
     alive = {where: float(mb) for mb, _, where in (line.split(None, 2) for line in lines[4:])}
     assert alive == {"aten::empty": 1.0, "aten::zeros > aten::empty": 2.0}, lines
+
+
+@pytest.mark.slow
+def test_phase_times_reports_both_phases_for_every_system():
+    """benchmarks/phase_times.py on the smoke model: one line per system and pass, with
+    a forward+backward and a step time that add up to the total."""
+    cmd = [sys.executable, os.path.join(BENCH, "phase_times.py"), "--model", "quick", "--systems", "ddp,zero1",
+           "--steps", "1", "--warmup", "0", "--repeats", "1", "--timeout", "240"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[1:] if line.strip()]
+    assert [r[1] for r in rows] == ["ddp", "zero1"], proc.stdout
+    for r in rows:
+        fb, st, total = map(float, r[2:5])
+        assert fb > 0 and st > 0 and abs(fb + st - total) < 2e-3, r

@@ -39,7 +39,7 @@ class FakeComm:
         full_out.copy_(torch.cat([t.to(full_out.dtype) for t in parts]))
         return _Done()
 
-    def reduce_scatter(self, out, full, async_op=True, label="", scratch=False, rider=None):
+    def reduce_scatter(self, out, full, async_op=True, label="", scratch=False, kept=False, rider=None):
         self.calls.append(("reduce_scatter", label, full.numel()))
         if rider is not None:
             rider.mul_(self.world_size)
@@ -47,7 +47,7 @@ class FakeComm:
         out.copy_(full[self.rank * n : (self.rank + 1) * n] * self.world_size)  # identical peers
         return _Done()
 
-    def all_reduce(self, t, async_op=True, label="", rider=None):
+    def all_reduce(self, t, async_op=True, label="", rider=None, room_after=False):
         self.calls.append(("all_reduce", label, t.numel()))
         if rider is not None:
             rider.mul_(self.world_size)

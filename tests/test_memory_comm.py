@@ -269,6 +269,71 @@ def test_gloo_reduce_scatter_runs_in_place_on_a_scratch_bucket_with_header_room(
         assert result[(True, HEADER_ROOM, True)] == (True, True, 1.0), result  # riders 0 + 1
 
 
+def _kept_buffer_reduce_worker(rank, ws):
+    from zero_strategy import collectives as C
+
+    seen = []
+    original = dist.all_reduce
+
+    def spy(t, *args, **kwargs):
+        seen.append(t.untyped_storage().data_ptr())
+        return original(t, *args, **kwargs)
+
+    dist.all_reduce = spy
+    try:
+        out = {}
+        n = 8 * ws
+        values = torch.arange(n, dtype=torch.float32)
+        total = values * sum(r + 1 for r in range(ws))  # what every rank's sum must be
+        # Stage 1: a gradient buffer that is overwritten in place but lives on.
+        for kept in (True, False):
+            inp = torch.zeros(n + C.HEADER_ROOM)[:n]
+            inp.copy_(values * (rank + 1))
+            ptr = inp.untyped_storage().data_ptr()
+            shard = torch.empty(n // ws)
+            ident = C.Identity.of(0, len(seen), "reduce_scatter for a test", inp.dtype, n)
+            pending = C.reduce_scatter(shard, inp, None, ws, ident, via_all_reduce=True, inp_is_scratch=True,
+                                       inp_is_kept=kept)
+            pending.work.wait()
+            assert pending.finish() is None
+            out[("reduce_scatter", kept)] = (torch.equal(shard, total.chunk(ws)[rank]), seen[-1] == ptr,
+                                             inp.untyped_storage().nbytes() > 0)
+        # Stage 0: the all-reduce sums in the gradient buffer itself when it has room.
+        for room_after, room, with_rider in ((True, C.HEADER_ROOM, False), (True, C.HEADER_ROOM, True),
+                                             (True, 0, False), (False, C.HEADER_ROOM, False)):
+            t = torch.zeros(n + room)[:n]
+            t.copy_(values * (rank + 1))
+            ptr = t.untyped_storage().data_ptr()
+            rider = torch.tensor([float(rank)]) if with_rider else None
+            ident = C.Identity.of(0, len(seen), "all_reduce for a test", t.dtype, n)
+            pending = C.all_reduce(t, None, ws, ident, rider=rider, room_after=room_after)
+            pending.work.wait()
+            assert pending.finish() is None
+            out[("all_reduce", room_after, room, with_rider)] = (
+                torch.equal(t, total), seen[-1] == ptr, t.untyped_storage().nbytes() > 0,
+                None if rider is None else float(rider))
+        return out
+    finally:
+        dist.all_reduce = original
+
+
+@pytest.mark.slow
+def test_gloo_stage_0_1_gradient_buffers_are_reduced_in_place_and_kept():
+    """Stage 0-1 gradient buffers (which ``param.grad`` views) keep room for the gloo
+    path's header, so their all-reduce runs on the buffer itself (no unit-sized copy in
+    and, at stage 0, none back out) and the buffer survives it; a tensor without that
+    room, or not declared to have it, is reduced through a copy. Every case gives the
+    ranks' sum."""
+    from zero_strategy.collectives import HEADER_ROOM
+
+    for result in run_distributed(_kept_buffer_reduce_worker, 2):
+        assert result[("reduce_scatter", True)] == (True, True, True), result
+        assert result[("reduce_scatter", False)] == (True, True, False), result  # stage 2-3: freed once reduced
+        assert result[("all_reduce", True, HEADER_ROOM, False)] == (True, True, True, None), result
+        assert result[("all_reduce", True, HEADER_ROOM, True)] == (True, True, True, 1.0), result  # riders 0 + 1
+        assert result[("all_reduce", True, 0, False)] == (True, False, True, None), result
+        assert result[("all_reduce", False, HEADER_ROOM, False)] == (True, False, True, None), result
+
 def _staged_gather_worker(rank, ws):
     import torch.nn as nn
 

@@ -64,8 +64,9 @@ HEADER_BYTES = 16  # two int64: the identity of the call and (step, call number)
 DIGEST_BITS = 32  # elements of a summed header
 # Elements a summed collective may carry after its header for the caller ([Note: riders]).
 RIDER_ELEMENTS = 1
-# Elements a scratch reduce-scatter input may reserve after itself, so the gloo path's
-# all-reduce can append its header (and a rider) in place (reduce_scatter, inp_is_scratch).
+# Elements a gradient buffer reserves after itself, so the gloo path's all-reduce can
+# append its header (and a rider) in place (reduce_scatter's inp_is_scratch,
+# all_reduce's room_after).
 HEADER_ROOM = DIGEST_BITS + RIDER_ELEMENTS
 
 # The largest N for which sums of N zeros and ones are exact in the dtype.
@@ -252,7 +253,7 @@ def _check_sums(got: torch.Tensor, expected: torch.Tensor, ident: Identity, worl
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity],
-                   via_all_reduce: bool = False, inp_is_scratch: bool = False,
+                   via_all_reduce: bool = False, inp_is_scratch: bool = False, inp_is_kept: bool = False,
                    rider: Optional[torch.Tensor] = None) -> Pending:
     """Sum ``inp`` over ranks; this rank receives its equal slice in ``out``.
 
@@ -263,8 +264,10 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int,
     reduce-scatter, plus the copy).  When the caller discards ``inp`` afterwards
     (``inp_is_scratch``) and its storage has room for the header right after it
     (:data:`HEADER_ROOM` elements, see grad_storage.py), the all-reduce runs in place:
-    no copy, and no second unit-sized buffer.  ``rider``: summed along ([Note: riders]);
-    only with ``via_all_reduce``."""
+    no copy, and no second unit-sized buffer; its storage is then freed once the slice is
+    out, unless the caller keeps it (``inp_is_kept``: stage 1's gradient buffer, which
+    ``param.grad`` views).  ``rider``: summed along ([Note: riders]); only with
+    ``via_all_reduce``."""
     if not via_all_reduce:
         if rider is not None:
             raise ValueError("a rider needs the reduce-scatter carried as an all-reduce (gloo)")
@@ -275,25 +278,41 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int,
         ident = None
     n = inp.numel()
     room = n + _trailer_numel(ident, rider)
-    storage, offset = inp.untyped_storage(), inp.storage_offset()
-    if inp_is_scratch and inp.is_contiguous() and storage.nbytes() >= (offset + room) * inp.element_size():
-        buf = inp.new_empty(0).set_(storage, offset, (room,))
-    else:
+    buf = _in_place(inp, room) if inp_is_scratch else None
+    release = buf is None or not inp_is_kept
+    if buf is None:
         buf = torch.empty(room, dtype=inp.dtype, device=inp.device)
         buf[:n].copy_(inp.reshape(-1))
     return _summed(buf, n, group, world_size, ident, rider,
-                   lambda payload: out.copy_(payload[rank * s : (rank + 1) * s].view_as(out)))
+                   lambda payload: out.copy_(payload[rank * s : (rank + 1) * s].view_as(out)), release=release)
+
+
+def _in_place(t: torch.Tensor, room: int) -> Optional[torch.Tensor]:
+    """``t`` extended over the ``room - t.numel()`` elements of its storage right after
+    it, or None when it is not contiguous or its storage ends too soon."""
+    storage, offset = t.untyped_storage(), t.storage_offset()
+    if t.is_contiguous() and storage.nbytes() >= (offset + room) * t.element_size():
+        return t.new_empty(0).set_(storage, offset, (room,))
+    return None
 
 
 def all_reduce(tensor: torch.Tensor, group, world_size: int, ident: Optional[Identity],
-               rider: Optional[torch.Tensor] = None) -> Pending:
-    """Sum ``tensor`` in place over ranks; ``rider`` is summed along ([Note: riders])."""
+               rider: Optional[torch.Tensor] = None, room_after: bool = False) -> Pending:
+    """Sum ``tensor`` in place over ranks; ``rider`` is summed along ([Note: riders]).
+
+    ``room_after``: the elements of ``tensor``'s storage right after it are reserved for
+    the header (:data:`HEADER_ROOM`, see grad_storage.py), so the header path sums in
+    ``tensor`` itself instead of in a copy that is copied back."""
     if not bitsum_header_fits(tensor.dtype, world_size):
         ident = None
     if ident is None and rider is None:
         return Pending(dist.all_reduce(tensor, group=group, async_op=True))
     n = tensor.numel()
-    buf = torch.empty(n + _trailer_numel(ident, rider), dtype=tensor.dtype, device=tensor.device)
+    room = n + _trailer_numel(ident, rider)
+    buf = _in_place(tensor, room) if room_after else None
+    if buf is not None:
+        return _summed(buf, n, group, world_size, ident, rider, lambda payload: None, release=False)
+    buf = torch.empty(room, dtype=tensor.dtype, device=tensor.device)
     buf[:n].copy_(tensor.reshape(-1))
     return _summed(buf, n, group, world_size, ident, rider, lambda payload: tensor.copy_(payload.view_as(tensor)))
 
@@ -303,10 +322,11 @@ def _trailer_numel(ident: Optional[Identity], rider: Optional[torch.Tensor]) -> 
 
 
 def _summed(buf: torch.Tensor, n: int, group, world_size: int, ident: Optional[Identity],
-            rider: Optional[torch.Tensor], take: Callable[[torch.Tensor], object]) -> Pending:
+            rider: Optional[torch.Tensor], take: Callable[[torch.Tensor], object], release: bool = True) -> Pending:
     """All-reduce ``buf``: its first ``n`` elements (the payload, already in place), then
     the summed header (with ``ident``) and the rider.  Once the sums check out,
-    ``take(payload)`` copies the result out and the rider gets its sum."""
+    ``take(payload)`` copies the result out and the rider gets its sum; then ``buf``'s
+    storage is freed, unless ``release`` is False (it is a caller's own buffer)."""
     h = DIGEST_BITS if ident is not None else 0
     bits = None
     if ident is not None:
@@ -322,7 +342,8 @@ def _summed(buf: torch.Tensor, n: int, group, world_size: int, ident: Optional[I
             take(buf[:n])
             if rider is not None:
                 rider.copy_(buf[n + h :].view_as(rider))
-        _release(buf)
+        if release:
+            _release(buf)
         return bad
 
     return Pending(work, finish)

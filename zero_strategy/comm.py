@@ -369,9 +369,10 @@ class Communicator:
         return self._gloo
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, async_op: bool = True, label: str = "gradients",
-                       scratch: bool = False, rider: Optional[torch.Tensor] = None):
+                       scratch: bool = False, kept: bool = False, rider: Optional[torch.Tensor] = None):
         """Sum ``full_in`` over ranks; this rank receives its equal slice in ``shard_out``.
-        ``scratch``: the caller discards ``full_in`` afterwards, so it may be overwritten.
+        ``scratch``: the caller discards ``full_in``'s values afterwards, so it may be
+        overwritten; ``kept``: ... but not its storage, which must not be freed.
         ``rider`` (only where :attr:`carries_riders`): summed over ranks in place, uncounted."""
         self._count("reduce_scatter", full_in.numel(), full_in.element_size())
         if self.world_size == 1:
@@ -379,7 +380,7 @@ class Communicator:
             return _DoneWork()
         position, ident = self._enter("reduce_scatter", label, full_in, full_in.numel())
         return self._issue(C.reduce_scatter(shard_out, full_in, self.group, self.world_size, ident, via_all_reduce=self._gloo,
-                                           inp_is_scratch=scratch, rider=rider), position, async_op)
+                                           inp_is_scratch=scratch, inp_is_kept=kept, rider=rider), position, async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True, label: str = "parameters",
                    allocate_out: Optional[Callable[[], None]] = None):
@@ -405,14 +406,15 @@ class Communicator:
         return self.headers and self.world_size > 1
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, label: str = "gradients",
-                   rider: Optional[torch.Tensor] = None):
+                   rider: Optional[torch.Tensor] = None, room_after: bool = False):
         """Sum ``tensor`` in place over ranks (gradient all-reduce of stage 0); ``rider`` as
-        in :meth:`reduce_scatter`."""
+        in :meth:`reduce_scatter`; ``room_after`` as in ``collectives.all_reduce``."""
         self._count("all_reduce", tensor.numel(), tensor.element_size())
         if self.world_size == 1:
             return _DoneWork()
         position, ident = self._enter("all_reduce", label, tensor, tensor.numel())
-        return self._issue(C.all_reduce(tensor, self.group, self.world_size, ident, rider=rider), position, async_op)
+        return self._issue(C.all_reduce(tensor, self.group, self.world_size, ident, rider=rider, room_after=room_after),
+                           position, async_op)
 
     def control_all_reduce(self, tensor: torch.Tensor, op: str = "sum", label: str = "a control value") -> torch.Tensor:
         """Small synchronous reductions (overflow flags, norms): counted as ``control``.

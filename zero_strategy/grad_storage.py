@@ -40,6 +40,8 @@ class _GradStorage:
     collective = "reduce_scatter"
     reduces_unsynced = False
     reduction_input_is_scratch = False  # True: reduction_input() may be overwritten by the collective
+    reduction_input_is_kept = False  # True: ... but its storage lives on (never freed by it)
+    reduction_input_has_room = False  # True: an all-reduce may append its header in place
 
     def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, shard_index: int, *,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device) -> None:
@@ -58,7 +60,10 @@ class _GradStorage:
         return flat[off : off + n].view(self.shapes[i])
 
     def _new_full(self) -> torch.Tensor:
-        return torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        # Room for a collective header after the gradients: on gloo the reduction then
+        # runs in place instead of on a copy (collectives.reduce_scatter / all_reduce).
+        room = torch.zeros(self.layout.padded_numel + HEADER_ROOM, dtype=self.compute_dtype, device=self.device)
+        return room[: self.layout.padded_numel]
 
     @property
     def complete(self) -> bool:
@@ -81,6 +86,8 @@ class _GradStorage:
 class _PersistentFull(_GradStorage):
     """Stages 0 and 1: a full-size gradient buffer with ``param.grad`` views into it, so
     autograd accumulates in place across micro-batches."""
+
+    reduction_input_has_room = True  # _new_full
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -144,7 +151,13 @@ class OwnerSliceGrads(_PersistentFull):
     Without offload and with the reduce dtype equal to the compute dtype, the reduced
     slice is written back into ``full`` (the rest zeroed), so the stage holds the paper's
     2 bytes/parameter of gradients; otherwise it lives in ``slice`` (reduce dtype, or
-    fp32 on the host with offload)."""
+    fp32 on the host with offload).
+
+    The reduction may overwrite ``full`` (on gloo it is summed there in place): once
+    reduced, everything but this rank's slice is zeroed anyway."""
+
+    reduction_input_is_scratch = True
+    reduction_input_is_kept = True  # param.grad views it
 
     def __init__(self, *args, slice_device: Optional[torch.device] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -251,12 +264,6 @@ class ShardedGrads(_GradStorage):
         # ([Note: deferred bucket]).
         self._deferred: set = set()
         self._slice_fresh = True
-
-    def _new_full(self) -> torch.Tensor:
-        # Room for a collective header after the gradients: on gloo the reduce-scatter
-        # then runs in place instead of on a copy (collectives.reduce_scatter).
-        room = torch.zeros(self.layout.padded_numel + HEADER_ROOM, dtype=self.compute_dtype, device=self.device)
-        return room[: self.layout.padded_numel]
 
     # [Note: deferred bucket]
     # A unit's gradients wait in ``p.grad``, where autograd put them (no copy, and never

@@ -73,11 +73,13 @@ class GradientReducer:
         if not isinstance(rider, torch.Tensor):
             rider = None  # none wanted, or (held weakly) its engine is gone
         if grads.collective == "all_reduce":
-            work = self.comm.all_reduce(full, async_op=True, label=label, rider=rider)
+            work = self.comm.all_reduce(full, async_op=True, label=label, rider=rider,
+                                        room_after=grads.reduction_input_has_room)
             out = full
         else:
             out = grads.reduction_output()
             work = self.comm.reduce_scatter(out, full, async_op=True, label=label, scratch=grads.reduction_input_is_scratch,
+                                            kept=grads.reduction_input_is_kept,
                                             rider=rider)
         # Keep ``full`` referenced until the collective has finished with it.
         self._pending.append((unit, work, out, full))
