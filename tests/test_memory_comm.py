@@ -220,9 +220,9 @@ def test_7b_llama_at_1024_ranks_on_fake_process_group(fake_world, precision):
         engine.close()
 
 
-def _scratch_reduce_worker(rank, ws):
-    from zero_strategy import collectives as C
-
+def _record_all_reduce_storages():
+    """Patch dist.all_reduce to record the storage of every tensor it sums; returns the
+    list and the function that undoes the patch."""
     seen = []
     original = dist.all_reduce
 
@@ -231,6 +231,17 @@ def _scratch_reduce_worker(rank, ws):
         return original(t, *args, **kwargs)
 
     dist.all_reduce = spy
+
+    def restore():
+        dist.all_reduce = original
+
+    return seen, restore
+
+
+def _scratch_reduce_worker(rank, ws):
+    from zero_strategy import collectives as C
+
+    seen, restore = _record_all_reduce_storages()
     try:
         out = {}
         for scratch, room, with_rider in ((True, C.HEADER_ROOM, False), (True, 0, False), (False, C.HEADER_ROOM, False),
@@ -251,7 +262,7 @@ def _scratch_reduce_worker(rank, ws):
             out[(scratch, room, with_rider)] = (torch.equal(shard, want), seen[-1] == ptr, rider_sum)
         return out
     finally:
-        dist.all_reduce = original
+        restore()
 
 
 @pytest.mark.slow
@@ -272,14 +283,7 @@ def test_gloo_reduce_scatter_runs_in_place_on_a_scratch_bucket_with_header_room(
 def _kept_buffer_reduce_worker(rank, ws):
     from zero_strategy import collectives as C
 
-    seen = []
-    original = dist.all_reduce
-
-    def spy(t, *args, **kwargs):
-        seen.append(t.untyped_storage().data_ptr())
-        return original(t, *args, **kwargs)
-
-    dist.all_reduce = spy
+    seen, restore = _record_all_reduce_storages()
     try:
         out = {}
         n = 8 * ws
@@ -314,7 +318,7 @@ def _kept_buffer_reduce_worker(rank, ws):
                 None if rider is None else float(rider))
         return out
     finally:
-        dist.all_reduce = original
+        restore()
 
 
 @pytest.mark.slow
