@@ -394,3 +394,53 @@ def test_gloo_gather_in_flight_holds_one_full_sized_buffer():
             assert r["in_flight"] == (True, 0), (dtype, r)
             assert r["input_is_own_row"] and r["staging_is_not_the_unit"], (dtype, r)
             assert r["values"], (dtype, r)
+
+
+def _kept_gather_worker(rank, ws):
+    from zero_strategy import collectives as C
+    from zero_strategy.comm import Communicator
+
+    seen = []
+    original = C.all_gather_tensor
+
+    def spy(out, inp, *args, **kwargs):
+        seen.append((out.untyped_storage().data_ptr(), out.numel(), inp.data_ptr()))
+        return original(out, inp, *args, **kwargs)
+
+    def chunk(r, i, n, dtype):  # what rank r contributes to buffer i, computable on every rank
+        return torch.randn(n, generator=torch.Generator().manual_seed(1000 * i + r)).to(dtype)
+
+    specs = [(40, torch.float32), (7, torch.bfloat16), (1000, torch.float32)]  # elements per rank
+    fulls = [torch.zeros(ws * n, dtype=dt) for n, dt in specs]
+    for i, (full, (n, dt)) in enumerate(zip(fulls, specs)):
+        full[rank * n:(rank + 1) * n] = chunk(rank, i, n, dt)
+    C.all_gather_tensor = spy
+    try:
+        comm = Communicator(None)
+        works = comm.all_gather_kept([(f, f[rank * n:(rank + 1) * n], f"buffer {i}")
+                                      for i, (f, (n, _)) in enumerate(zip(fulls, specs))])
+        for w in works:
+            w.wait()
+    finally:
+        C.all_gather_tensor = original
+    expected = [torch.cat([chunk(r, i, n, dt) for r in range(ws)]) for i, (n, dt) in enumerate(specs)]
+    header_only = [s for s in seen if s[1] == ws * C.header_elements(torch.int64)]
+    payload = [s for s in seen if s not in header_only]
+    return dict(
+        values=all(torch.equal(f, e) for f, e in zip(fulls, expected)),
+        one_announcement=len(header_only) == 1 and len(seen) == 1 + len(specs),
+        straight_into_the_buffers=[(p[0], p[1]) for p in payload]
+        == [(f.untyped_storage().data_ptr(), f.numel()) for f in fulls],
+        input_is_own_chunk=[p[2] for p in payload] == [f[rank * n:].data_ptr() for f, (n, _) in zip(fulls, specs)],
+        counted=comm.report()["all_gather"].elements == sum(f.numel() for f in fulls),
+    )
+
+
+@pytest.mark.slow
+def test_gloo_gathers_into_kept_buffers_are_announced_once_and_need_no_staging():
+    """The post-step gathers of stages 1-2 land straight in the kept whole buffers: one
+    header-only gather announces the batch, then each payload gathers in place with no
+    staging buffer ([Note: announced gathers]).  Values against each rank's chunk
+    computed independently; only the payload is counted."""
+    for result in run_distributed(_kept_gather_worker, 2):
+        assert all(result.values()), result

@@ -358,3 +358,28 @@ def test_checkpoint_from_another_world_size_needs_resharding_allowed(tmp_path):
     result = run_distributed_outcomes(_misuse_worker, 1, "world_size_mismatch", folder, timeout=3 * BOUND)
     text = _errors(result, 1)[0]
     assert "world size 2" in text and "allow_reshard=True" in text, text
+
+
+def _kept_gather_diverge_worker(rank, ws):
+    from zero_strategy.comm import Communicator
+
+    comm = Communicator(None)
+    comm.configure(TIMEOUT, False)
+    n = 64 * (rank + 1)  # ranks disagree on the size: gloo would abort the rank receiving more
+    full = torch.zeros(ws * n)
+    comm.all_gather_kept([(full, full[rank * n:(rank + 1) * n], f"a buffer of {n}")])
+    return "finished"
+
+
+@pytest.mark.slow
+def test_kept_buffer_gathers_of_different_sizes_fail_on_every_rank_before_any_payload():
+    """Announced gathers ([Note: announced gathers] in collectives.py): when the ranks'
+    batches differ, even in size, every rank raises CollectiveError at the header-only
+    announcement; no rank is aborted by gloo and none hangs."""
+    result = run_distributed_outcomes(_kept_gather_diverge_worker, 2, timeout=3 * BOUND)
+    errors = _errors(result, 2)
+    assert result["seconds"] < BOUND, result["seconds"]
+    for text in errors.values():
+        assert "CollectiveError" in text and "diverged" in text, text
+        # each rank's own gather is named, from the reports the ranks exchange
+        assert "rank 0: all_gather for a buffer of 64" in text and "rank 1: all_gather for a buffer of 128" in text, text

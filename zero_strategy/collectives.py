@@ -45,6 +45,18 @@ buffer (plus what gloo stages internally), not a send copy, the staging and the
 destination.  The destination (a stage-3 unit's full buffer) can be allocated when the
 gather completes (``allocate_out``): a prefetched gather then holds no second
 full-sized buffer through the computation it overlaps.
+
+[Note: announced gathers]
+A gather into a buffer that already exists and whose own chunk is the input (stages
+1-2 bring every rank's updated shard into the kept whole parameters after the
+optimizer step) needs no staging at all if the header travels separately.  So a batch
+of such gathers is announced first: one all-gather of nothing but a header whose
+identity digests every gather of the batch (:meth:`Identity.of_batch`), waited for,
+and only then the payload gathers, straight into their buffers with no header.  Ranks
+that were about to issue different gathers (other units, sizes or steps) fail at the
+announcement, on every rank and before any payload moves, so even differing sizes
+end with an error rather than gloo aborting the process; the payloads skip a
+model-sized staging buffer, the copy into it and the copy out of it.
 """
 from __future__ import annotations
 
@@ -94,6 +106,14 @@ class Identity:
         high = zlib.crc32(text.encode())  # stable across processes, unlike hash()
         low = zlib.crc32(f"{dtype}:{numel}".encode())
         return cls(_signed64(high << 32 | low), _signed64((step & 0x7FFFFFFF) << 32 | (call & 0xFFFFFFFF)))
+
+    @classmethod
+    def of_batch(cls, members: Sequence["Identity"]) -> "Identity":
+        """One identity standing for several ([Note: announced gathers]): any member
+        that differs changes it; positioned at the first member."""
+        packed = b"".join(struct.pack("<qq", m.what, m.where) for m in members)
+        high = zlib.crc32(b"batch" + packed)
+        return cls(_signed64(high << 32 | zlib.crc32(packed)), members[0].where)
 
     @property
     def text_code(self) -> int:

@@ -42,7 +42,7 @@ import weakref
 import zlib
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -397,6 +397,30 @@ class Communicator:
         position, ident = self._enter("all_gather", label, shard_in, shard_in.numel())
         return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident, rank=self.rank,
                                         allocate_out=allocate_out), position, async_op)
+
+    def all_gather_kept(self, gathers: Sequence[Tuple[torch.Tensor, torch.Tensor, str]]) -> list:
+        """Several all-gathers into buffers that are kept allocated, each ``(full_out,
+        shard_in, label)`` with ``shard_in`` this rank's own chunk of ``full_out``; all
+        issued now, one waitable each.  With headers the batch is announced by one
+        header-only gather first, and the payloads carry none, so they need no staging
+        ([Note: announced gathers] in collectives.py)."""
+        if self.world_size == 1 or not self.headers or not gathers:
+            return [self.all_gather(out, inp, async_op=True, label=label) for out, inp, label in gathers]
+        entered = []
+        for out, inp, label in gathers:
+            own = out.view(self.world_size, -1)[self.rank]
+            if own.data_ptr() != inp.data_ptr() or own.numel() != inp.numel() or own.dtype != inp.dtype:
+                raise ValueError(f"all_gather_kept for {label}: the input must be this rank's own chunk of the output")
+            self._count("all_gather", out.numel(), out.element_size())
+            entered.append(self._enter("all_gather", label, inp, inp.numel()))
+        batch = C.Identity.of_batch([ident for _, ident in entered])
+        first, last = gathers[0][2], gathers[-1][2]
+        names = first if len(gathers) == 1 else f"{first} ... {last}"
+        self._labels[batch.text_code] = f"the announcement of {len(gathers)} all_gather(s) for {names}"
+        empty = torch.empty(0, dtype=torch.int64, device=self._control_device())
+        self._issue(C.all_gather(empty, empty, self.group, self.world_size, batch, rank=self.rank), entered[0][0], False)
+        return [self._issue(C.all_gather(out, inp, self.group, self.world_size, None), position, True)
+                for (out, inp, _), (position, _) in zip(gathers, entered)]
 
     @property
     def stages_gathers(self) -> bool:

@@ -641,19 +641,23 @@ class ZeroEngine:
         """Units kept whole (stages 1-2, stage 3's persistent ones) need every rank's update."""
         if not self.policies.stage.gathers_after_step:
             return
-        pending, in_flight = [], 0
+        # Buckets of about allgather_bucket_size elements in flight; each bucket is one
+        # batch of gathers into the kept buffers (comm.all_gather_kept).
+        buckets, bucket, in_flight = [], [], 0
         for u in self.trainable_units:
             if not u.keep_full:
                 continue  # stage 3: gathered on demand by the next forward
             store = u.params_store
-            pending.append(self.comm.all_gather(store.full.data, store.shard, async_op=True, label=f"the updated {u.label}"))
+            bucket.append((store.full.data, store.shard, f"the updated {u.label}"))
             in_flight += u.layout.padded_numel
             if in_flight > self.policies.comm.allgather_bucket_size:
-                for w in pending:
-                    w.wait()
-                pending, in_flight = [], 0
-        for w in pending:
-            w.wait()
+                buckets.append(bucket)
+                bucket, in_flight = [], 0
+        if bucket:
+            buckets.append(bucket)
+        for bucket in buckets:
+            for w in self.comm.all_gather_kept(bucket):
+                w.wait()
 
     def zero_grad(self) -> None:
         for u in self.trainable_units:
