@@ -400,21 +400,26 @@ def _kept_gather_worker(rank, ws):
     from zero_strategy import collectives as C
     from zero_strategy.comm import Communicator
 
-    seen = []
-    original = C.all_gather_tensor
+    seen, sent = [], []
+    original, original_broadcast = C.all_gather_tensor, C.dist.broadcast
 
     def spy(out, inp, *args, **kwargs):
         seen.append((out.untyped_storage().data_ptr(), out.numel(), inp.data_ptr()))
         return original(out, inp, *args, **kwargs)
 
+    def broadcast_spy(tensor, *args, **kwargs):
+        sent.append((tensor.data_ptr(), tensor.numel()))
+        return original_broadcast(tensor, *args, **kwargs)
+
     def chunk(r, i, n, dtype):  # what rank r contributes to buffer i, computable on every rank
         return torch.randn(n, generator=torch.Generator().manual_seed(1000 * i + r)).to(dtype)
 
-    specs = [(40, torch.float32), (7, torch.bfloat16), (1000, torch.float32)]  # elements per rank
+    big = C.BROADCAST_GATHER_BYTES // 4 + 3  # a row above the broadcast threshold in fp32
+    specs = [(40, torch.float32), (7, torch.bfloat16), (1000, torch.float32), (big, torch.float32)]  # per rank
     fulls = [torch.zeros(ws * n, dtype=dt) for n, dt in specs]
     for i, (full, (n, dt)) in enumerate(zip(fulls, specs)):
         full[rank * n:(rank + 1) * n] = chunk(rank, i, n, dt)
-    C.all_gather_tensor = spy
+    C.all_gather_tensor, C.dist.broadcast = spy, broadcast_spy
     try:
         comm = Communicator(None)
         works = comm.all_gather_kept([(f, f[rank * n:(rank + 1) * n], f"buffer {i}")
@@ -422,16 +427,19 @@ def _kept_gather_worker(rank, ws):
         for w in works:
             w.wait()
     finally:
-        C.all_gather_tensor = original
+        C.all_gather_tensor, C.dist.broadcast = original, original_broadcast
     expected = [torch.cat([chunk(r, i, n, dt) for r in range(ws)]) for i, (n, dt) in enumerate(specs)]
     header_only = [s for s in seen if s[1] == ws * C.header_elements(torch.int64)]
     payload = [s for s in seen if s not in header_only]
+    small = fulls[:3]
     return dict(
         values=all(torch.equal(f, e) for f, e in zip(fulls, expected)),
-        one_announcement=len(header_only) == 1 and len(seen) == 1 + len(specs),
+        one_announcement=len(header_only) == 1 and len(seen) == 1 + len(small),
         straight_into_the_buffers=[(p[0], p[1]) for p in payload]
-        == [(f.untyped_storage().data_ptr(), f.numel()) for f in fulls],
-        input_is_own_chunk=[p[2] for p in payload] == [f[rank * n:].data_ptr() for f, (n, _) in zip(fulls, specs)],
+        == [(f.untyped_storage().data_ptr(), f.numel()) for f in small],
+        input_is_own_chunk=[p[2] for p in payload] == [f[rank * n:].data_ptr() for f, (n, _) in zip(small, specs)],
+        # the large one: one in-place broadcast per rank's row of the buffer itself
+        big_by_broadcasts=sent == [(fulls[3][r * big:].data_ptr(), big) for r in range(ws)],
         counted=comm.report()["all_gather"].elements == sum(f.numel() for f in fulls),
     )
 
@@ -440,7 +448,8 @@ def _kept_gather_worker(rank, ws):
 def test_gloo_gathers_into_kept_buffers_are_announced_once_and_need_no_staging():
     """The post-step gathers of stages 1-2 land straight in the kept whole buffers: one
     header-only gather announces the batch, then each payload gathers in place with no
-    staging buffer ([Note: announced gathers]).  Values against each rank's chunk
+    staging buffer ([Note: announced gathers]), a large one as one broadcast per rank's
+    row ([Note: gathers carried as broadcasts]).  Values against each rank's chunk
     computed independently; only the payload is counted."""
     for result in run_distributed(_kept_gather_worker, 2):
         assert all(result.values()), result

@@ -57,6 +57,16 @@ that were about to issue different gathers (other units, sizes or steps) fail at
 announcement, on every rank and before any payload moves, so even differing sizes
 end with an error rather than gloo aborting the process; the payloads skip a
 model-sized staging buffer, the copy into it and the copy out of it.
+
+[Note: gathers carried as broadcasts]
+gloo's all-gather into one tensor receives into a flat buffer of its own, the size of
+the output, and copies that into the output afterwards.  On gloo a large gather is
+therefore carried as N broadcasts, one per rank's row of the output, each in place
+(rank r sends its row, the others receive straight into theirs): the same bytes on
+every link, no temporary, and on the 2-core test machine less than half the time
+(fp32, 124M elements at N=2: 0.19 s against 0.43 s; at N=4 0.41 s against 0.71 s).
+Small gathers (below :data:`BROADCAST_GATHER_BYTES` a row) stay one all-gather: there
+N round trips would cost more than a copy.
 """
 from __future__ import annotations
 
@@ -80,6 +90,9 @@ RIDER_ELEMENTS = 1
 # append its header (and a rider) in place (reduce_scatter's inp_is_scratch,
 # all_reduce's room_after).
 HEADER_ROOM = DIGEST_BITS + RIDER_ELEMENTS
+
+# Rows at least this large are gathered by broadcasts on gloo ([Note: gathers carried as broadcasts]).
+BROADCAST_GATHER_BYTES = 1 << 20
 
 # The largest N for which sums of N zeros and ones are exact in the dtype.
 _EXACT_COUNT = {
@@ -193,6 +206,35 @@ class Pending:
         return f() if f is not None else None
 
 
+class Works:
+    """Several work handles waited for as one."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: Sequence) -> None:
+        self.works = list(works)
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, *args) -> bool:
+        for w in self.works:
+            w.wait(*args)
+        return True
+
+
+def gather_rows(out: torch.Tensor, group, world_size: int, by_broadcasts: bool):
+    """All-gather in place: ``out`` holds N equal rows and this rank's own row is filled
+    in.  ``by_broadcasts``: the process group is gloo, whose all-gather stages the whole
+    output ([Note: gathers carried as broadcasts])."""
+    rows = out.view(world_size, -1)
+    if not by_broadcasts or rows[0].numel() * out.element_size() < BROADCAST_GATHER_BYTES:
+        rank = dist.get_rank(group)
+        return all_gather_tensor(out, rows[rank], group=group, async_op=True)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(world_size)
+    return Works([dist.broadcast(rows[r], src=src, group=group, async_op=True) for r, src in enumerate(ranks)])
+
+
 # -- raw headers: each rank's chunk carries its own -------------------------------------------
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity], *,
                rank: Optional[int] = None, allocate_out: Optional[Callable[[], None]] = None) -> Pending:
@@ -217,7 +259,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ide
     send = rows[rank]
     send[:n].copy_(inp.reshape(-1))
     _write_raw(send[n:], ident)
-    work = all_gather_tensor(recv, send, group=group, async_op=True)
+    work = gather_rows(recv, group, world_size, by_broadcasts=True)  # headers are gloo's
 
     def finish() -> Optional[Mismatch]:
         got = _read_raw(rows[:, n:])
