@@ -34,15 +34,18 @@ written in the buffer's dtype and read back after the wait; callers use it only 
 non-negative flags, whose sum is zero exactly when every rank sent zero, whatever the
 dtype rounds.  Not on NCCL: its reduce-scatter gives each rank only its slice.
 
-The headers cost a staging copy of each buffer (the payload cannot be followed in
-place by a header); the staging storage is released as soon as each collective
-finishes.  The communicator counts the payload only (comm_report, 2Ψ / 3Ψ).
+A header costs a staging copy of a buffer that has no room after itself for it (the
+payload cannot be followed in place by a header): gradient buffers keep that room
+(grad_storage.py), and gathers into kept buffers send their headers ahead ([Note:
+announced gathers]), so what is staged is stage 3's gathers (which need a buffer of
+their own anyway, [Note: staged gathers]) and small control traffic.  Staging storage
+is released as soon as each collective finishes.  The communicator counts the payload only (comm_report, 2Ψ / 3Ψ).
 
 [Note: staged gathers]
 An all-gather with headers gathers into one staging buffer of N rows (payload, then
 header), whose own row is also the input, so a gather in flight holds one full-sized
-buffer (plus what gloo stages internally), not a send copy, the staging and the
-destination.  The destination (a stage-3 unit's full buffer) can be allocated when the
+buffer (gloo stages nothing more: a large gather is carried as broadcasts into the
+rows, see below), not a send copy, the staging and the destination.  The destination (a stage-3 unit's full buffer) can be allocated when the
 gather completes (``allocate_out``): a prefetched gather then holds no second
 full-sized buffer through the computation it overlaps.
 
