@@ -25,8 +25,6 @@ class _Done:
 class FakeComm:
     """Records every collective; all_gather takes each rank's input from ``peers``."""
 
-    stages_gathers = False  # gathers straight into the destination, as NCCL does
-
     def __init__(self, world_size: int) -> None:
         self.world_size, self.rank = world_size, 0
         self.calls = []
@@ -105,8 +103,6 @@ def test_partitioned_gather_allocates_only_the_full_buffer():
     seen = []
 
     class RecordingComm:
-        stages_gathers = False
-
         def all_gather(self, full_out, shard_in, async_op=True, label=""):
             seen.append((full_out.untyped_storage().data_ptr(), shard_in.untyped_storage().data_ptr(),
                          shard_in.numel()))

@@ -338,7 +338,7 @@ def test_gloo_stage_0_1_gradient_buffers_are_reduced_in_place_and_kept():
         assert result[("all_reduce", True, 0, False)] == (True, False, True, None), result
         assert result[("all_reduce", False, HEADER_ROOM, False)] == (True, False, True, None), result
 
-def _staged_gather_worker(rank, ws):
+def _in_place_gather_worker(rank, ws):
     import torch.nn as nn
 
     from zero_strategy import collectives as C
@@ -346,54 +346,65 @@ def _staged_gather_worker(rank, ws):
     from zero_strategy.layout import FlatLayout
     from zero_strategy.param_shard import ParamShard, ShardState
 
-    seen = []
-    original = C.all_gather_tensor
+    seen, sent = [], []
+    original, original_broadcast = C.all_gather_tensor, C.dist.broadcast
 
     def spy(out, inp, *args, **kwargs):
-        seen.append((out.untyped_storage().data_ptr(), out.numel(), inp.data_ptr(), inp.numel(), out.element_size()))
+        seen.append((out.untyped_storage().data_ptr(), out.numel(), inp.data_ptr(), inp.numel()))
         return original(out, inp, *args, **kwargs)
 
-    C.all_gather_tensor = spy
+    def broadcast_spy(tensor, *args, **kwargs):
+        sent.append((tensor.data_ptr(), tensor.numel()))
+        return original_broadcast(tensor, *args, **kwargs)
+
+    C.all_gather_tensor, C.dist.broadcast = spy, broadcast_spy
     comm = Communicator(None)
     results = {}
+    big = C.BROADCAST_GATHER_BYTES // 2 + 5  # elements of a row above the broadcast threshold in bf16
     try:
         for dtype in (torch.float32, torch.bfloat16):  # fp32: the shard is the input; bf16: the master, cast
-            g = torch.Generator().manual_seed(7)  # the same values on every rank
-            originals = [torch.randn(s, generator=g) for s in ((33, 5), (17,), (4, 4))]
-            params = [nn.Parameter(t.clone()) for t in originals]
-            layout = FlatLayout(tuple(p.numel() for p in params), ws)
-            s = ParamShard(params, layout, rank, whole=False, compute_dtype=dtype, keep_master=dtype != torch.float32,
-                           device=torch.device("cpu"), master_device=torch.device("cpu"))
-            seen.clear()
-            s.start_gather(comm, "a test unit")
-            in_flight = (s.state is ShardState.GATHERING, s.full.untyped_storage().nbytes())
-            s.finish_gather()
-            out_ptr, out_numel, in_ptr, in_numel, size = seen[0]
-            row = in_numel  # this rank's row: payload then header
-            results[str(dtype)] = dict(
-                in_flight=in_flight,
-                input_is_own_row=in_ptr == out_ptr + rank * row * size and out_numel == ws * row,
-                staging_is_not_the_unit=out_ptr != s.full.untyped_storage().data_ptr(),
-                values=all(torch.equal(p.data, t.to(dtype)) for p, t in zip(s.params, originals)),
-            )
-            s.release()
+            for shapes in (((33, 5), (17,), (4, 4)), ((ws * big,),)):
+                g = torch.Generator().manual_seed(7)  # the same values on every rank
+                originals = [torch.randn(s, generator=g) for s in shapes]
+                params = [nn.Parameter(t.clone()) for t in originals]
+                layout = FlatLayout(tuple(p.numel() for p in params), ws)
+                s = ParamShard(params, layout, rank, whole=False, compute_dtype=dtype,
+                               keep_master=dtype != torch.float32,
+                               device=torch.device("cpu"), master_device=torch.device("cpu"))
+                seen.clear()
+                sent.clear()
+                s.start_gather(comm, "a test unit")
+                in_flight = (s.state is ShardState.GATHERING, s.full.untyped_storage().nbytes())
+                s.finish_gather()
+                full = s.full.untyped_storage().data_ptr()
+                lo = s.layout.shard_range(rank)[0]
+                own = s.full[lo:].data_ptr()
+                payload = [c for c in seen if c[1] != 2 * ws]  # the rest: the headers beside (two int64 a rank)
+                by_broadcast = [(full + r * s.layout.shard_numel * s.full.element_size(), s.layout.shard_numel)
+                                for r in range(ws)]
+                results[f"{dtype} {len(shapes)}"] = dict(
+                    in_flight=in_flight == (True, layout.padded_numel * s.full.element_size()),
+                    one_header_beside=len(seen) - len(payload) == 1,
+                    straight_into_the_unit=(payload == [(full, layout.padded_numel, own, layout.shard_numel)]
+                                            and not sent) if len(shapes) > 1 else (not payload and sent == by_broadcast),
+                    values=all(torch.equal(p.data, t.to(dtype)) for p, t in zip(s.params, originals)),
+                )
+                s.release()
     finally:
-        C.all_gather_tensor = original
+        C.all_gather_tensor, C.dist.broadcast = original, original_broadcast
     return results
 
 
 @pytest.mark.slow
-def test_gloo_gather_in_flight_holds_one_full_sized_buffer():
-    """With headers (gloo) an all-gather runs in place in one staging buffer (this
-    rank's row is the input) and the stage-3 unit's own full buffer is allocated only
-    when the gather has completed, so a prefetch overlapping computation holds one
-    full-sized buffer, not a send copy, the staging and the destination
-    ([Note: staged gathers]).  The gathered values are the originals (cast in bf16)."""
-    for result in run_distributed(_staged_gather_worker, 2):
-        for dtype, r in result.items():
-            assert r["in_flight"] == (True, 0), (dtype, r)
-            assert r["input_is_own_row"] and r["staging_is_not_the_unit"], (dtype, r)
-            assert r["values"], (dtype, r)
+def test_gloo_gather_in_flight_holds_only_the_unit_s_own_buffer():
+    """With headers (gloo) a stage-3 gather runs in place in the unit's own buffer: this
+    rank's values are written into its chunk, the header travels in a separate small
+    all-gather beside the payload, and a large unit is gathered by one broadcast per
+    rank's row, so a gather in flight holds the unit's buffer and no staging
+    ([Note: headers beside in-place gathers]).  The values are the originals (cast in bf16)."""
+    for result in run_distributed(_in_place_gather_worker, 2):
+        for case, r in result.items():
+            assert all(r.values()), (case, r)
 
 
 def _kept_gather_worker(rank, ws):

@@ -38,16 +38,19 @@ A header costs a staging copy of a buffer that has no room after itself for it (
 payload cannot be followed in place by a header): gradient buffers keep that room
 (grad_storage.py), and gathers into kept buffers send their headers ahead ([Note:
 announced gathers]), so what is staged is stage 3's gathers (which need a buffer of
-their own anyway, [Note: staged gathers]) and small control traffic.  Staging storage
-is released as soon as each collective finishes.  The communicator counts the payload only (comm_report, 2Ψ / 3Ψ).
+their own anyway, [Note: staged gathers]
+An all-gather with headers whose input is some other tensor (a state dict's values,
+control traffic) gathers into one staging buffer of N rows (payload, then header),
+whose own row is also the input, and copies the payloads out once it has completed.
 
-[Note: staged gathers]
-An all-gather with headers gathers into one staging buffer of N rows (payload, then
-header), whose own row is also the input, so a gather in flight holds one full-sized
-buffer (gloo stages nothing more: a large gather is carried as broadcasts into the
-rows, see below), not a send copy, the staging and the destination.  The destination (a stage-3 unit's full buffer) can be allocated when the
-gather completes (``allocate_out``): a prefetched gather then holds no second
-full-sized buffer through the computation it overlaps.
+[Note: headers beside in-place gathers]
+An all-gather whose input is already this rank's own row of its output (stage 3's
+gathers: the shard, or the master cast, is written into the unit's buffer first) needs
+no staging: its header travels in a separate 16-byte-a-rank all-gather issued just
+before the payload, both asynchronous, and is checked when the pair completes.  A
+gather in flight then holds the unit's own buffer and nothing else, and no copy is made
+out of a staging buffer.  A peer that issued something else is caught as before, by
+the header (the payload may then hold anything: the error stops the run).
 
 [Note: announced gathers]
 A gather into a buffer that already exists and whose own chunk is the input (stages
@@ -239,20 +242,24 @@ def gather_rows(out: torch.Tensor, group, world_size: int, by_broadcasts: bool):
 
 
 # -- raw headers: each rank's chunk carries its own -------------------------------------------
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity], *,
-               rank: Optional[int] = None, allocate_out: Optional[Callable[[], None]] = None) -> Pending:
-    """Concatenate every rank's ``inp`` into ``out`` (rank order); ``inp`` is cast to
-    ``out``'s dtype on the header path.
+def is_own_row(out: torch.Tensor, inp: torch.Tensor, world_size: int, rank: int) -> bool:
+    """Whether ``inp`` is this rank's own row of ``out`` (an in-place all-gather)."""
+    return (out.is_contiguous() and inp.is_contiguous() and out.dtype == inp.dtype
+            and out.numel() == world_size * inp.numel() and out.view(world_size, -1)[rank].data_ptr() == inp.data_ptr())
 
-    ``allocate_out``: ``out``'s storage is not there yet and this gives it back.  With a
-    header the payload first lands in a staging buffer, so ``out`` is only allocated once
-    the gather has completed ([Note: staged gathers]); without one it is allocated now."""
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ident: Optional[Identity], *,
+               rank: Optional[int] = None) -> Pending:
+    """Concatenate every rank's ``inp`` into ``out`` (rank order); ``inp`` is cast to
+    ``out``'s dtype on the header path unless it is ``out``'s own row, which gathers in
+    place with its header beside it ([Note: headers beside in-place gathers]); any
+    other input is staged ([Note: staged gathers])."""
     if ident is None:
-        if allocate_out is not None:
-            allocate_out()
         return Pending(all_gather_tensor(out, inp, group=group, async_op=True))
     if rank is None:
         rank = dist.get_rank(group)
+    if inp.numel() and is_own_row(out, inp, world_size, rank):
+        return _gather_with_header_beside(out, group, world_size, ident, rank)
     n = inp.numel()
     h = header_elements(out.dtype)
     recv = torch.empty(world_size * (n + h), dtype=out.dtype, device=inp.device)
@@ -269,8 +276,6 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ide
         mine = (ident.what, ident.where)
         bad = [(r, g) for r, g in enumerate(got) if g != mine]
         if not bad:
-            if allocate_out is not None:
-                allocate_out()
             if out.is_contiguous():
                 out.view(world_size, n).copy_(rows[:, :n])
             else:
@@ -279,6 +284,20 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, ide
         return Mismatch(ident, bad, "") if bad else None
 
     return Pending(work, finish)
+
+
+def _gather_with_header_beside(out: torch.Tensor, group, world_size: int, ident: Identity, rank: int) -> Pending:
+    heads = torch.zeros(world_size, 2, dtype=torch.int64, device=out.device)  # zeros: what no header reads as
+    heads[rank] = torch.tensor([ident.what, ident.where], dtype=torch.int64)
+    works = Works([all_gather_tensor(heads.view(-1), heads[rank], group=group, async_op=True),
+                   gather_rows(out, group, world_size, by_broadcasts=True)])
+
+    def finish() -> Optional[Mismatch]:
+        mine = (ident.what, ident.where)
+        bad = [(r, tuple(g)) for r, g in enumerate(heads.tolist()) if tuple(g) != mine]
+        return Mismatch(ident, bad, "") if bad else None
+
+    return Pending(works, finish)
 
 
 def broadcast(tensor: torch.Tensor, src_global: int, is_src: bool, group, ident: Optional[Identity]) -> Pending:

@@ -382,21 +382,19 @@ class Communicator:
         return self._issue(C.reduce_scatter(shard_out, full_in, self.group, self.world_size, ident, via_all_reduce=self._gloo,
                                            inp_is_scratch=scratch, inp_is_kept=kept, rider=rider), position, async_op)
 
-    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True, label: str = "parameters",
-                   allocate_out: Optional[Callable[[], None]] = None):
-        """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order).
-        ``allocate_out``: gives ``full_out`` its storage, called once it is about to be
-        written, which with :attr:`stages_gathers` is when the gather has completed."""
+    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True,
+                   label: str = "parameters"):
+        """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order); with
+        ``shard_in`` this rank's own chunk of ``full_out`` it runs in place, on gloo too
+        ([Note: headers beside in-place gathers] in collectives.py)."""
         self._count("all_gather", full_out.numel(), full_out.element_size())
         if self.world_size == 1:
-            if allocate_out is not None:
-                allocate_out()
             if full_out.data_ptr() != shard_in.data_ptr():
                 full_out.copy_(shard_in)
             return _DoneWork()
         position, ident = self._enter("all_gather", label, shard_in, shard_in.numel())
-        return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident, rank=self.rank,
-                                        allocate_out=allocate_out), position, async_op)
+        return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident, rank=self.rank),
+                           position, async_op)
 
     def all_gather_kept(self, gathers: Sequence[Tuple[torch.Tensor, torch.Tensor, str]]) -> list:
         """Several all-gathers into buffers that are kept allocated, each ``(full_out,
@@ -421,13 +419,6 @@ class Communicator:
         self._issue(C.all_gather(empty, empty, self.group, self.world_size, batch, rank=self.rank), entered[0][0], False)
         return [self._issue(C.Pending(C.gather_rows(out, self.group, self.world_size, by_broadcasts=True)), position, True)
                 for (out, _, _), (position, _) in zip(gathers, entered)]
-
-    @property
-    def stages_gathers(self) -> bool:
-        """Whether an all-gather goes through a staging buffer of its own, so its input
-        may be any tensor (cast on the way in) and its output is written only once it
-        has completed ([Note: staged gathers] in collectives.py)."""
-        return self.headers and self.world_size > 1
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, label: str = "gradients",
                    rider: Optional[torch.Tensor] = None, room_after: bool = False):

@@ -86,7 +86,6 @@ class ParamShard:
         self.device = device
         self.lo, self.hi = layout.shard_range(shard_index)
         self._gather_work = None
-        self._gather_source: Optional[torch.Tensor] = None
         n = layout.shard_numel
         pin = master_device != device and device.type == "cuda"
         self.master: Optional[torch.Tensor] = None
@@ -96,7 +95,7 @@ class ParamShard:
         self._after_gather = after_gather  # disk offload: drop the file-backed shard's pages again
         self._after_write = after_write  # disk offload: told how many bytes were written (bounds dirty pages)
         # A partitioned unit whose master sits beside it needs no 16-bit shard: the
-        # master is cast into the gather's own chunk when gathering (gather_input).  A master on disk is
+        # master is cast into the gather's own chunk when gathering (start_gather).  A master on disk is
         # not beside it (reading it each gather would page it in).
         keeps_compute_shard = whole or self.master is None or master_device != device or master_alloc is not None
         # A partitioned unit's full buffer is freed below without ever being written:
@@ -193,40 +192,18 @@ class ParamShard:
         return flat[off : off + n].view(self.shapes[i])
 
     # -- gathering (partitioned units) ---------------------------------------------------------
-    def gather_input(self) -> torch.Tensor:
-        """What this rank contributes to an all-gather of the compute-dtype values (with
-        the full buffer allocated).
-
-        Without a 16-bit shard the values are cast from the master straight into this
-        rank's own chunk of the gather's output, which is then the gather's input (an
-        in-place all-gather, which NCCL and gloo both accept): no shard-sized temporary
-        lives while the gather is in flight, beside the gathered unit and the prefetched
-        one."""
-        if self.shard is not None:
-            # A shard kept on disk is on the host: a device all-gather needs it moved.
-            return self.shard if self.shard.device == self.device else self.shard.to(self.device)
-        own = self.full.data[self.lo : self.hi]
-        own.copy_(self.master)
-        return own
-
     def start_gather(self, comm, label: str) -> None:
+        """Grow the full buffer, write this rank's values into its own chunk (the 16-bit
+        shard, or the master cast straight from fp32) and gather in place: the unit's own
+        buffer is all a gather in flight holds, with no shard-sized temporary and no
+        staging (on gloo the header travels beside it, [Note: headers beside in-place
+        gathers] in collectives.py)."""
         if self.state is not ShardState.SHARDED:
             return
-        if comm.stages_gathers:
-            # The gather lands in the communicator's staging buffer first, so the full
-            # buffer is allocated only when it has completed: a prefetch in flight holds
-            # one full-sized buffer, not two ([Note: staged gathers] in collectives.py).
-            # The master (without a 16-bit shard) is cast on its way into the staging.
-            source = self.shard if self.shard is not None else self.master
-            self._gather_source = source if source.device == self.device else source.to(self.device)
-            # Written through ``.data`` so the all-gather does not bump autograd version counters.
-            self._gather_work = comm.all_gather(self.full.data, self._gather_source, async_op=True, label=label,
-                                                allocate_out=self._allocate_full)
-        else:
-            self._allocate_full()
-            # Held until the gather completes (a shard moved from the host is a temporary).
-            self._gather_source = self.gather_input()
-            self._gather_work = comm.all_gather(self.full.data, self._gather_source, async_op=True, label=label)
+        self._allocate_full()
+        own = self.full.data[self.lo : self.hi]  # through ``.data``: no autograd version bump
+        own.copy_(self.shard if self.shard is not None else self.master)  # a host shard is copied over here
+        self._gather_work = comm.all_gather(self.full.data, own, async_op=True, label=label)
         self.state = ShardState.GATHERING
 
     def _allocate_full(self) -> None:
@@ -236,13 +213,6 @@ class ParamShard:
         if self.state is ShardState.GATHERING:
             self._gather_work.wait()
             self._gather_work = None
-            if self._gather_source is not self.shard and self._gather_source is not self.master \
-                    and self.shard is not None:
-                # The only temporary made above: a shard moved from the host.  The
-                # communicator keeps recent work handles (and through them their tensors)
-                # alive for a while, so give its memory back explicitly.
-                self._gather_source.untyped_storage().resize_(0)
-            self._gather_source = None
             self.state = ShardState.GATHERED
             if self._after_gather is not None:
                 self._after_gather()
