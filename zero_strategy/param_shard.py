@@ -249,7 +249,9 @@ def whole_values(shard: ParamShard, comm, label: str) -> torch.Tensor:
     if shard.layout.world_size == 1:
         return src
     full = torch.empty(shard.layout.padded_numel, dtype=src.dtype, device=src.device)
-    comm.all_gather_for_state(full, src.contiguous(), label=label)
+    own = full[shard.lo : shard.hi]
+    own.copy_(src)  # gathered in place: on gloo no staging buffer beside ``full``
+    comm.all_gather_for_state(full, own, label=label)
     return full
 
 

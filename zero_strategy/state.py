@@ -211,15 +211,16 @@ def full_optimizer_state_dict(engine, rank0_only: bool = True) -> dict:
         keys = sorted({e for (ui, _), info in known.items() if ui == u.index for e in info["elements"]})
         for key, dtype_name in keys:
             dtype = getattr(torch, dtype_name.replace("torch.", ""))
-            local = torch.zeros(u.layout.shard_numel, dtype=dtype, device=u.params_store.optimizer_target.device)
+            # This rank's slice is built in its own chunk of the gathered buffer, which
+            # then gathers in place: no slice-sized input beside it, and on gloo no staging.
+            full = torch.empty(u.layout.padded_numel, dtype=dtype, device=u.params_store.optimizer_target.device)
+            local = full[u.params_store.lo : u.params_store.hi]
+            local.zero_()
             for t, (i, s_start, length) in zip(u.optim_params, u.optim_slices):
                 v = pieces.get((u.index, i), (None, {}))[1].get(key)
                 if v is not None:
                     local[s_start : s_start + length] = v.detach().reshape(-1)
-            if u.layout.world_size == 1:
-                full = local
-            else:
-                full = torch.empty(u.layout.padded_numel, dtype=dtype, device=local.device)
+            if u.layout.world_size > 1:
                 comm.all_gather_for_state(full, local, label=f"the optimizer state {key!r} of {u.label}")
             if keep:
                 for i in range(len(u.params)):
