@@ -383,3 +383,30 @@ def test_kept_buffer_gathers_of_different_sizes_fail_on_every_rank_before_any_pa
         assert "CollectiveError" in text and "diverged" in text, text
         # each rank's own gather is named, from the reports the ranks exchange
         assert "rank 0: all_gather for a buffer of 64" in text and "rank 1: all_gather for a buffer of 128" in text, text
+
+
+def _in_place_gather_diverge_worker(rank, ws):
+    from zero_strategy import collectives as C
+    from zero_strategy.comm import Communicator
+
+    comm = Communicator(None)
+    comm.configure(TIMEOUT, False)
+    # rank 0 gathers a small unit (one all-gather), rank 1 a large one (a broadcast per rank):
+    # after the headers the two ranks' collectives no longer pair up at all.
+    n = 64 if rank == 0 else C.BROADCAST_GATHER_BYTES // 4 + 1
+    full = torch.zeros(ws * n)
+    comm.all_gather(full, full[rank * n:(rank + 1) * n], async_op=False, label=f"a unit of {n}")
+    return "finished"
+
+
+@pytest.mark.slow
+def test_in_place_gathers_that_differ_fail_at_their_headers_without_waiting_for_the_payload():
+    """[Note: headers beside in-place gathers]: the header's all-gather is checked as soon
+    as it completes, so ranks whose payloads cannot pair up (different sizes, moved as a
+    different number of collectives) fail in-band on every rank, not at the timeout."""
+    result = run_distributed_outcomes(_in_place_gather_diverge_worker, 2, timeout=3 * BOUND)
+    errors = _errors(result, 2)
+    assert result["seconds"] < BOUND - TIMEOUT, result["seconds"]
+    for text in errors.values():
+        assert "CollectiveError" in text and "diverged" in text and "timed out" not in text, text
+        assert "rank 0: all_gather for a unit of 64" in text, text
