@@ -360,10 +360,9 @@ def _in_place_gather_worker(rank, ws):
     C.all_gather_tensor, C.dist.broadcast = spy, broadcast_spy
     comm = Communicator(None)
     results = {}
-    big = C.BROADCAST_GATHER_BYTES // 2 + 5  # elements of a row above the broadcast threshold in bf16
     try:
         for dtype in (torch.float32, torch.bfloat16):  # fp32: the shard is the input; bf16: the master, cast
-            for shapes in (((33, 5), (17,), (4, 4)), ((ws * big,),)):
+            for shapes in (((33, 5), (17,), (4, 4)), ((ws * 300_001,),)):
                 g = torch.Generator().manual_seed(7)  # the same values on every rank
                 originals = [torch.randn(s, generator=g) for s in shapes]
                 params = [nn.Parameter(t.clone()) for t in originals]
@@ -377,16 +376,15 @@ def _in_place_gather_worker(rank, ws):
                 in_flight = (s.state is ShardState.GATHERING, s.full.untyped_storage().nbytes())
                 s.finish_gather()
                 full = s.full.untyped_storage().data_ptr()
-                lo = s.layout.shard_range(rank)[0]
-                own = s.full[lo:].data_ptr()
-                payload = [c for c in seen if c[1] != 2 * ws]  # the rest: the headers beside (two int64 a rank)
-                by_broadcast = [(full + r * s.layout.shard_numel * s.full.element_size(), s.layout.shard_numel)
+                own = s.full[s.layout.shard_range(rank)[0]:].data_ptr()
+                by_broadcast = [(own + (r - rank) * s.layout.shard_numel * s.full.element_size(), s.layout.shard_numel)
                                 for r in range(ws)]
                 results[f"{dtype} {len(shapes)}"] = dict(
                     in_flight=in_flight == (True, layout.padded_numel * s.full.element_size()),
-                    one_header_beside=len(seen) - len(payload) == 1,
-                    straight_into_the_unit=(payload == [(full, layout.padded_numel, own, layout.shard_numel)]
-                                            and not sent) if len(shapes) > 1 else (not payload and sent == by_broadcast),
+                    # the only all-gather: the header beside (two int64 a rank)
+                    one_header_beside=[c[1] for c in seen] == [2 * ws],
+                    # the payload: one broadcast per rank's row of the unit's own buffer
+                    straight_into_the_unit=sent == by_broadcast and by_broadcast[0][0] == full,
                     values=all(torch.equal(p.data, t.to(dtype)) for p, t in zip(s.params, originals)),
                 )
                 s.release()
@@ -399,8 +397,8 @@ def _in_place_gather_worker(rank, ws):
 def test_gloo_gather_in_flight_holds_only_the_unit_s_own_buffer():
     """With headers (gloo) a stage-3 gather runs in place in the unit's own buffer: this
     rank's values are written into its chunk, the header travels in a separate small
-    all-gather beside the payload, and a large unit is gathered by one broadcast per
-    rank's row, so a gather in flight holds the unit's buffer and no staging
+    all-gather beside the payload, and the payload moves as one broadcast per rank's
+    row, so a gather in flight holds the unit's buffer and no staging
     ([Note: headers beside in-place gathers]).  The values are the originals (cast in bf16)."""
     for result in run_distributed(_in_place_gather_worker, 2):
         for case, r in result.items():
@@ -425,8 +423,7 @@ def _kept_gather_worker(rank, ws):
     def chunk(r, i, n, dtype):  # what rank r contributes to buffer i, computable on every rank
         return torch.randn(n, generator=torch.Generator().manual_seed(1000 * i + r)).to(dtype)
 
-    big = C.BROADCAST_GATHER_BYTES // 4 + 3  # a row above the broadcast threshold in fp32
-    specs = [(40, torch.float32), (7, torch.bfloat16), (1000, torch.float32), (big, torch.float32)]  # per rank
+    specs = [(40, torch.float32), (7, torch.bfloat16), (1000, torch.float32), (300_001, torch.float32)]  # per rank
     fulls = [torch.zeros(ws * n, dtype=dt) for n, dt in specs]
     for i, (full, (n, dt)) in enumerate(zip(fulls, specs)):
         full[rank * n:(rank + 1) * n] = chunk(rank, i, n, dt)
@@ -440,17 +437,12 @@ def _kept_gather_worker(rank, ws):
     finally:
         C.all_gather_tensor, C.dist.broadcast = original, original_broadcast
     expected = [torch.cat([chunk(r, i, n, dt) for r in range(ws)]) for i, (n, dt) in enumerate(specs)]
-    header_only = [s for s in seen if s[1] == ws * C.header_elements(torch.int64)]
-    payload = [s for s in seen if s not in header_only]
-    small = fulls[:3]
     return dict(
         values=all(torch.equal(f, e) for f, e in zip(fulls, expected)),
-        one_announcement=len(header_only) == 1 and len(seen) == 1 + len(small),
-        straight_into_the_buffers=[(p[0], p[1]) for p in payload]
-        == [(f.untyped_storage().data_ptr(), f.numel()) for f in small],
-        input_is_own_chunk=[p[2] for p in payload] == [f[rank * n:].data_ptr() for f, (n, _) in zip(small, specs)],
-        # the large one: one in-place broadcast per rank's row of the buffer itself
-        big_by_broadcasts=sent == [(fulls[3][r * big:].data_ptr(), big) for r in range(ws)],
+        # the only all-gather: the header-only announcement
+        one_announcement=[s[1] for s in seen] == [ws * C.header_elements(torch.int64)],
+        # then one in-place broadcast per rank's row of each buffer itself
+        straight_into_the_buffers=sent == [(f[r * n:].data_ptr(), n) for f, (n, _) in zip(fulls, specs) for r in range(ws)],
         counted=comm.report()["all_gather"].elements == sum(f.numel() for f in fulls),
     )
 
@@ -459,8 +451,8 @@ def _kept_gather_worker(rank, ws):
 def test_gloo_gathers_into_kept_buffers_are_announced_once_and_need_no_staging():
     """The post-step gathers of stages 1-2 land straight in the kept whole buffers: one
     header-only gather announces the batch, then each payload gathers in place with no
-    staging buffer ([Note: announced gathers]), a large one as one broadcast per rank's
-    row ([Note: gathers carried as broadcasts]).  Values against each rank's chunk
+    staging buffer ([Note: announced gathers]), as one broadcast per rank's row
+    ([Note: gathers carried as broadcasts]).  Values against each rank's chunk
     computed independently; only the payload is counted."""
     for result in run_distributed(_kept_gather_worker, 2):
         assert all(result.values()), result

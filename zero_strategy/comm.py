@@ -417,7 +417,7 @@ class Communicator:
         self._labels[batch.text_code] = f"the announcement of {len(gathers)} all_gather(s) for {names}"
         empty = torch.empty(0, dtype=torch.int64, device=self._control_device())
         self._issue(C.all_gather(empty, empty, self.group, self.world_size, batch, rank=self.rank), entered[0][0], False)
-        return [self._issue(C.Pending(C.gather_rows(out, self.group, self.world_size, by_broadcasts=True)), position, True)
+        return [self._issue(C.Pending(C.broadcast_rows(out, self.group, self.world_size)), position, True)
                 for (out, _, _), (position, _) in zip(gathers, entered)]
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = True, label: str = "gradients",
