@@ -37,7 +37,7 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from hf_local_assets import WORDS, save_tiny_llama, write_text  # noqa: E402
-from test_accelerate import TIMEOUT, Launcher, _close, _write_config  # noqa: E402
+from test_accelerate import TIMEOUT, Launcher, _close, _process_tree, _write_config  # noqa: E402
 from trainer_state import logged_per_step  # noqa: E402
 
 DPO_SCRIPT = Path(trl.__file__).parent / "scripts" / "dpo.py"
@@ -90,7 +90,7 @@ class DpoRuns:
         log = self.launcher.root / f"{name}.log"
         with log.open("w") as f:
             proc = subprocess.Popen(cmd, env=self.launcher.env, cwd=self.launcher.root, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # its own process group: every worker can be stopped
+                                    start_new_session=True)
             deadline, finished_at = time.monotonic() + TIMEOUT, None
             while proc.poll() is None and time.monotonic() < deadline:
                 if reference_output is not None and finished_at is None and reference_output.exists():
@@ -100,7 +100,14 @@ class DpoRuns:
                 time.sleep(1)
             stopped = proc.poll() is None
             if stopped:
-                os.killpg(proc.pid, signal.SIGKILL)
+                # torchrun starts each worker in a session of its own, so killing the
+                # launcher's process group would leave the hung worker running, orphaned
+                # (it was: 470 MB a suite run): end the whole tree while it is still a tree.
+                for pid in _process_tree(proc.pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                 proc.wait()
         text = log.read_text()
         allowed = reference_output is not None and reference_output.exists() and (
