@@ -406,8 +406,7 @@ class Communicator:
             return [self.all_gather(out, inp, async_op=True, label=label) for out, inp, label in gathers]
         entered = []
         for out, inp, label in gathers:
-            own = out.view(self.world_size, -1)[self.rank]
-            if own.data_ptr() != inp.data_ptr() or own.numel() != inp.numel() or own.dtype != inp.dtype:
+            if not C.is_own_row(out, inp, self.world_size, self.rank):
                 raise ValueError(f"all_gather_kept for {label}: the input must be this rank's own chunk of the output")
             self._count("all_gather", out.numel(), out.element_size())
             entered.append(self._enter("all_gather", label, inp, inp.numel()))
