@@ -51,7 +51,7 @@ BINDING_ATTR = "_zero_strategy_binding"
 _log = logging.getLogger(__name__)
 _active = False
 
-# Every keyword of PreTrainedModel.from_pretrained (transformers 5.24, checked against the
+# Every keyword of PreTrainedModel.from_pretrained (transformers 5.25, checked against the
 # installed signature by tests/test_pretrained_kwargs.py), by what partitioned loading does
 # with it.  Keywords not listed are config attributes, as for the stock loader.
 _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")
@@ -66,7 +66,7 @@ _DEFAULT_ONLY = {
     "state_dict": None, "quantization_config": None, "gguf_file": None, "max_memory": None, "offload_folder": None,
     "offload_buffers": False, "variant": None, "distributed_config": None, "device_mesh": None, "tp_plan": None,
     "tp_size": None, "key_mapping": None, "fusion_config": None, "disable_mmap": None, "use_kernels": False,
-    "kernel_config": None, "allow_all_kernels": False, "load_in_8bit": False, "load_in_4bit": False,
+    "kernel_config": None, "kernels_mode": None, "allow_all_kernels": False, "load_in_8bit": False, "load_in_4bit": False,
 }
 # Handled below: config, dtype / torch_dtype, attn_implementation, experts_implementation,
 # device_map, use_safetensors, ignore_mismatched_sizes, output_loading_info, generation_config.
@@ -90,6 +90,7 @@ _WHY = {
     "use_kernels": "hub kernels are not applied by partitioned loading",
     "kernel_config": "hub kernels are not applied by partitioned loading",
     "allow_all_kernels": "hub kernels are not applied by partitioned loading",
+    "kernels_mode": "hub kernels are not applied by partitioned loading",
     "load_in_8bit": "quantised weights cannot be partitioned by zero_strategy",
     "load_in_4bit": "quantised weights cannot be partitioned by zero_strategy",
 }
@@ -167,6 +168,10 @@ def _short(value) -> str:
 
 
 def _is_default(value, default) -> bool:
+    # A switch that is off by default (False) is off at None too: the stock loader tests
+    # it for truth, and its own default moves between the two (use_kernels is None in 5.25).
+    if default is False and value is None:
+        return True
     return value is None if default is None else (value is default or value == default)
 
 

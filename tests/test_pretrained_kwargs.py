@@ -52,6 +52,31 @@ def test_every_stock_keyword_is_classified():
     assert {"device_map", "from_tf", "output_loading_info", "low_cpu_mem_usage", "torch_dtype", "trust_remote_code"} <= names
 
 
+def _stock_pop_defaults():
+    """``name -> value`` for every ``kwargs.pop("name", <literal>)`` in the installed
+    from_pretrained's body: the defaults the stock loader itself falls back to."""
+    import ast
+
+    from transformers.modeling_utils import PreTrainedModel
+
+    source = inspect.getsource(PreTrainedModel.from_pretrained)
+    found = {}
+    for name, literal in re.findall(r'kwargs\.pop\("(\w+)",\s*([^)]*)\)', source):
+        try:
+            found[name] = ast.literal_eval(literal)
+        except (ValueError, SyntaxError):
+            continue  # not a literal: nothing to compare
+    return found
+
+
+def test_the_stock_loader_s_own_defaults_are_accepted():
+    # The reference is the installed loader's body, not pretrained.py's table: a keyword
+    # whose stock default moved (use_kernels went from False to None) must still pass.
+    stock = {k: v for k, v in _stock_pop_defaults().items() if k in P._DEFAULT_ONLY}
+    assert {"state_dict", "offload_buffers", "use_kernels"} <= set(stock)
+    P.check_arguments(stock)  # raises UnsupportedArgument naming the keyword otherwise
+
+
 def _defaults():
     """Each classified keyword at the stock default value (from the signature, else the
     value the stock body pops it with)."""
