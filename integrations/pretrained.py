@@ -8,7 +8,8 @@ in each process:
 1. the keywords are checked: every keyword of the stock signature is accepted at its
    default value; a value this loader cannot honour (``state_dict=``, quantisation,
    a ``device_map`` that moves or splits the model, tensor parallelism, ...) raises
-   :class:`UnsupportedArgument` naming it, on every rank alike;
+   :class:`UnsupportedArgument` naming it, on every rank alike, and so does a keyword
+   that a newer transformers added, unless it is off (None or False);
 2. the config is read as usual and the model is built inside
    :func:`zero_strategy.init_context`: its parameters live on the meta device (no memory;
    buffers are built normally);
@@ -37,8 +38,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import logging
 import os
+import re
 import warnings
 import weakref
 from typing import Optional
@@ -53,7 +56,8 @@ _active = False
 
 # Every keyword of PreTrainedModel.from_pretrained (transformers 5.25, checked against the
 # installed signature by tests/test_pretrained_kwargs.py), by what partitioned loading does
-# with it.  Keywords not listed are config attributes, as for the stock loader.
+# with it.  Keywords not listed are config attributes, as for the stock loader, unless the
+# installed loader reads them (a newer transformers): see check_arguments.
 _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")
 # The stock loader ignores these in 5.x (or they only steer how it reads files we do not
 # read: pickles, its progress bar, its own loading path), so every value is accepted.
@@ -94,6 +98,43 @@ _WHY = {
     "load_in_8bit": "quantised weights cannot be partitioned by zero_strategy",
     "load_in_4bit": "quantised weights cannot be partitioned by zero_strategy",
 }
+
+_TESTED_WITH = "5.25"
+
+
+def stock_keywords(fn) -> frozenset:
+    """Every keyword the installed ``from_pretrained`` reads: those in its signature and
+    each ``kwargs.pop("name"...)`` in its body (how transformers 5.x takes most of them),
+    with the "not used anymore" names it drops (the signature's alone where its source
+    cannot be read)."""
+    sig = inspect.signature(fn)
+    names = {n for n, p in sig.parameters.items()
+             if p.kind == p.KEYWORD_ONLY or (p.kind == p.POSITIONAL_OR_KEYWORD and n not in ("cls", "pretrained_model_name_or_path"))}
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):  # an install without sources: the signature is all there is
+        return frozenset(names)
+    names |= set(re.findall(r'kwargs\.pop\("(\w+)"', source))
+    for listed in re.findall(r'for name in \[([^\]]*)\]', source):
+        names |= set(re.findall(r'"(\w+)"', listed))
+    return frozenset(names)
+
+
+def _classified_keywords() -> frozenset:
+    return frozenset((*_HUB_KWARGS, *_IGNORED, *_DEFAULT_ONLY, *_HANDLED))
+
+
+@functools.lru_cache(maxsize=None)
+def _unclassified_keywords(stock) -> frozenset:
+    """Keywords of the installed loader with no rule here: a transformers newer than the
+    one this module was checked against.  A config attribute of the same name is not
+    one of them (the stock loader pops its own keywords before the config sees the rest)."""
+    return stock_keywords(stock) - _classified_keywords()
+
+
+def _is_off(value) -> bool:
+    return value is None or value is False
+
 
 # Modules awaiting their engine: while there is one, moving a module that holds values to
 # the meta device keeps the values (see _to_keeping_values).
@@ -184,7 +225,26 @@ def check_arguments(kwargs) -> None:
                 f"zero3_init_flag: from_pretrained({key}={_short(kwargs[key])}) is not supported with partitioned loading "
                 f"({_WHY[key]}); drop {key}= or load without zero3_init_flag"
             )
+    # A keyword a newer transformers added: what it asks for is unknown here, so only
+    # "off" passes (None / False, what callers that forward every keyword pass).
+    for key in sorted(_unclassified_keywords(_stock_loader()) & kwargs.keys()):
+        if not _is_off(kwargs[key]):
+            import transformers
+
+            raise UnsupportedArgument(
+                f"zero3_init_flag: from_pretrained({key}={_short(kwargs[key])}) is a keyword of transformers "
+                f"{transformers.__version__} that partitioned loading has no rule for (it was checked against "
+                f"transformers {_TESTED_WITH}); drop {key}= or load without zero3_init_flag"
+            )
     _check_device_map(kwargs.get("device_map"))
+
+
+def _stock_loader():
+    """The stock ``from_pretrained`` function (ours wraps it once patched)."""
+    from transformers import modeling_utils
+
+    fn = modeling_utils.PreTrainedModel.__dict__["from_pretrained"].__func__
+    return getattr(fn, "__wrapped__", fn) if getattr(fn, "_zero_strategy", False) else fn
 
 
 _SPREADING = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -269,7 +329,7 @@ def _build_partitioned(klass, name, folder, kwargs):
 
     kwargs = dict(kwargs)
     hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
-    for key in (*_IGNORED, *_DEFAULT_ONLY, "device_map", "use_safetensors"):
+    for key in (*_IGNORED, *_DEFAULT_ONLY, *_unclassified_keywords(_stock_loader()), "device_map", "use_safetensors"):
         kwargs.pop(key, None)  # checked by check_arguments / _fallback_reason
     output_loading_info = bool(kwargs.pop("output_loading_info", False))
     ignore_mismatched_sizes = bool(kwargs.pop("ignore_mismatched_sizes", False))

@@ -31,18 +31,12 @@ def checkpoints(tmp_path_factory):
 
 
 def _stock_keywords():
-    """Every keyword the installed from_pretrained reads: its signature and the
-    ``kwargs.pop("name"...)`` calls in its body."""
+    """Every keyword the installed from_pretrained reads (its signature and the
+    ``kwargs.pop("name"...)`` calls in its body), and its signature."""
     from transformers.modeling_utils import PreTrainedModel
 
     fn = PreTrainedModel.from_pretrained
-    sig = inspect.signature(fn)
-    names = {n for n, p in sig.parameters.items() if p.kind == p.KEYWORD_ONLY or (p.kind == p.POSITIONAL_OR_KEYWORD and n not in ("cls", "pretrained_model_name_or_path"))}
-    source = inspect.getsource(fn)
-    names |= set(re.findall(r'kwargs\.pop\("(\w+)"', source))
-    for listed in re.findall(r'for name in \[([^\]]*)\]', source):  # "Not used anymore" keywords it drops
-        names |= set(re.findall(r'"(\w+)"', listed))
-    return names, sig
+    return set(P.stock_keywords(fn)), inspect.signature(fn)
 
 
 def test_every_stock_keyword_is_classified():
@@ -75,6 +69,33 @@ def test_the_stock_loader_s_own_defaults_are_accepted():
     stock = {k: v for k, v in _stock_pop_defaults().items() if k in P._DEFAULT_ONLY}
     assert {"state_dict", "offload_buffers", "use_kernels"} <= set(stock)
     P.check_arguments(stock)  # raises UnsupportedArgument naming the keyword otherwise
+
+
+@pytest.fixture
+def kernels_mode_unclassified(monkeypatch):
+    """pretrained.py as it was before transformers added ``kernels_mode`` (5.25): the
+    keyword the installed loader reads has no rule here, as a newer release's would."""
+    monkeypatch.setattr(P, "_DEFAULT_ONLY", {k: v for k, v in P._DEFAULT_ONLY.items() if k != "kernels_mode"})
+    P._unclassified_keywords.cache_clear()
+    yield
+    P._unclassified_keywords.cache_clear()
+
+
+def test_a_keyword_of_a_newer_transformers_loads_when_off(checkpoints, kernels_mode_unclassified):
+    from transformers import AutoModelForCausalLM
+
+    assert "kernels_mode" in _stock_keywords()[0]  # the installed loader reads it
+    with P.partitioned_loading():
+        model = AutoModelForCausalLM.from_pretrained(checkpoints / "llama", kernels_mode=None)
+    assert all(p.is_meta for p in model.parameters())
+    assert not hasattr(model.config, "kernels_mode")  # not taken for a config attribute
+
+
+def test_a_keyword_of_a_newer_transformers_that_asks_for_something_is_refused(checkpoints, kernels_mode_unclassified):
+    from transformers import AutoModelForCausalLM
+
+    with P.partitioned_loading(), pytest.raises(P.UnsupportedArgument, match=r"kernels_mode='training'.*no rule for"):
+        AutoModelForCausalLM.from_pretrained(checkpoints / "llama", kernels_mode="training")
 
 
 def _defaults():
