@@ -132,10 +132,6 @@ def _unclassified_keywords(stock) -> frozenset:
     return stock_keywords(stock) - _classified_keywords()
 
 
-def _is_off(value) -> bool:
-    return value is None or value is False
-
-
 # Modules awaiting their engine: while there is one, moving a module that holds values to
 # the meta device keeps the values (see _to_keeping_values).
 _awaiting = weakref.WeakSet()
@@ -228,7 +224,7 @@ def check_arguments(kwargs) -> None:
     # A keyword a newer transformers added: what it asks for is unknown here, so only
     # "off" passes (None / False, what callers that forward every keyword pass).
     for key in sorted(_unclassified_keywords(_stock_loader()) & kwargs.keys()):
-        if not _is_off(kwargs[key]):
+        if not _is_default(kwargs[key], False):
             import transformers
 
             raise UnsupportedArgument(
