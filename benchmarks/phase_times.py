@@ -4,6 +4,9 @@ list repeated (odd passes reversed), so drift hits all alike.
 
     .venv/bin/python benchmarks/phase_times.py --model 100m --systems ddp,zero0,zero1,zero2 --repeats 2
 
+``--precision bf16`` runs DDP under autocast over fp32 parameters and ours with
+``precision: bf16``, as run_all.py does.
+
 DDP's step is ``optimizer.step()`` plus ``zero_grad``; ours is ``engine.step()``, which
 at stages 1-2 includes the all-gather of the updated parameters.  Reported, never
 asserted (timings on a shared machine are noisy).
@@ -54,13 +57,16 @@ def _worker(rank, world_size, store_path, args, queue):
             ddp = torch.nn.parallel.DistributedDataParallel(model)
 
             def forward_backward():
-                ddp(input_ids=ids, labels=ids).loss.backward()
+                # bf16 for DDP = autocast over fp32 parameters, as in run_all.py.
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+                    loss = ddp(input_ids=ids, labels=ids).loss
+                loss.backward()
 
             def step():
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         else:
-            engine = zero_strategy.initialize(model, opt, dict(stage=int(args.system[-1])))
+            engine = zero_strategy.initialize(model, opt, dict(stage=int(args.system[-1]), precision=args.precision))
 
             def forward_backward():
                 engine.backward(model(input_ids=ids, labels=ids).loss)
@@ -94,6 +100,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", choices=sorted(S.PRESETS), default="100m")
     p.add_argument("--systems", default="ddp,zero0,zero1,zero2")
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
