@@ -145,11 +145,12 @@ def test_profile_step_peak_report_finds_what_is_alive_at_the_peak():
 
 
 @pytest.mark.slow
-def test_phase_times_reports_both_phases_for_every_system():
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_phase_times_reports_both_phases_for_every_system(precision):
     """benchmarks/phase_times.py on the smoke model: one line per system and pass, each
     with a measured forward+backward and step time (a smoke run: timings are not judged)."""
     cmd = [sys.executable, os.path.join(BENCH, "phase_times.py"), "--model", "quick", "--systems", "ddp,zero1",
-           "--steps", "1", "--warmup", "0", "--repeats", "1", "--timeout", "240"]
+           "--steps", "1", "--warmup", "0", "--repeats", "1", "--timeout", "240", "--precision", precision]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines()[1:] if line.strip()]
