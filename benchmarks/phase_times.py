@@ -8,7 +8,10 @@ list repeated (odd passes reversed), so drift hits all alike.
 ``precision: bf16``, as run_all.py does.
 
 DDP's step is ``optimizer.step()`` plus ``zero_grad``; ours is ``engine.step()``, which
-at stages 1-2 includes the all-gather of the updated parameters.  Reported, never
+at stages 1-2 includes the all-gather of the updated parameters.  ``fsdp2_zero2`` /
+``fsdp2_zero3`` are FSDP2 as run_all.py builds it (``reshard_after_forward`` False /
+True): its step is AdamW over the shards, and every all-gather falls in forward (and,
+resharding, backward).  Reported, never
 asserted (timings on a shared machine are noisy).
 """
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.distributed as dist  # noqa: E402
 import systems as S  # noqa: E402
 from spawn import run_workers  # noqa: E402
 
-SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "zero3")
+SYSTEMS = ("ddp", "zero0", "zero1", "zero2", "zero3", "fsdp2_zero2", "fsdp2_zero3")
 
 
 def _worker(rank, world_size, store_path, args, queue):
@@ -61,6 +64,27 @@ def _worker(rank, world_size, store_path, args, queue):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                     loss = ddp(input_ids=ids, labels=ids).loss
                 loss.backward()
+
+            def step():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        elif args.system.startswith("fsdp2"):
+            # As systems.FSDP2System: every GPT2Block, then the root; bf16 = MixedPrecisionPolicy
+            # with bf16 parameters and reductions over fp32 sharded masters.
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mesh = init_device_mesh("cpu", (world_size,))
+            bf16 = torch.bfloat16 if args.precision == "bf16" else None
+            policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
+            reshard = args.system.endswith("3")
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # over the sharded parameters
+
+            def forward_backward():
+                model(input_ids=ids, labels=ids).loss.backward()
 
             def step():
                 opt.step()

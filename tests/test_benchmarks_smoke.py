@@ -149,12 +149,12 @@ def test_profile_step_peak_report_finds_what_is_alive_at_the_peak():
 def test_phase_times_reports_both_phases_for_every_system(precision):
     """benchmarks/phase_times.py on the smoke model: one line per system and pass, each
     with a measured forward+backward and step time (a smoke run: timings are not judged)."""
-    cmd = [sys.executable, os.path.join(BENCH, "phase_times.py"), "--model", "quick", "--systems", "ddp,zero1",
+    cmd = [sys.executable, os.path.join(BENCH, "phase_times.py"), "--model", "quick", "--systems", "ddp,zero1,fsdp2_zero2",
            "--steps", "1", "--warmup", "0", "--repeats", "1", "--timeout", "240", "--precision", precision]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split() for line in proc.stdout.splitlines()[1:] if line.strip()]
-    assert [r[1] for r in rows] == ["ddp", "zero1"], proc.stdout
+    assert [r[1] for r in rows] == ["ddp", "zero1", "fsdp2_zero2"], proc.stdout
     for r in rows:
         fb, st = map(float, r[2:4])
         assert fb > 0 and st > 0, r
