@@ -16,13 +16,14 @@ offered.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from .planner import find_unit_module_classes
 
@@ -139,6 +140,30 @@ class OffloadSchedule:
                 for v, rg in zip(values, entry.requires_grad)]
 
 
+class _DeviceRng:
+    """The random-generator states of the accelerators that a block's tensor inputs are
+    on, as they were when its forward began (the same devices torch's own checkpoint
+    replays when it is given the inputs)."""
+
+    __slots__ = ("device_type", "ids", "states")
+
+    def __init__(self, args) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.device.type not in ("cpu", "meta")]
+        self.device_type = tensors[0].device.type if tensors else None
+        self.ids, self.states = get_device_states(*tensors) if tensors else ([], [])
+
+    @contextlib.contextmanager
+    def replayed(self):
+        if not self.ids:
+            yield
+            return
+        # fork_rng puts the generators back afterwards: backward's own draws continue
+        # from where they were, as with torch's checkpoint.
+        with torch.random.fork_rng(devices=self.ids, device_type=self.device_type):
+            set_device_states(self.ids, self.states, device_type=self.device_type)
+            yield
+
+
 def checkpointed(fn: Callable, offload: bool = False, schedule: Optional[OffloadSchedule] = None) -> Callable:
     """Wrap ``fn`` (a block's forward) in activation checkpointing; usable directly
     on hand-written models: ``block.forward = checkpointed(block.forward)``.  With
@@ -153,6 +178,12 @@ def checkpointed(fn: Callable, offload: bool = False, schedule: Optional[Offload
             return fn(*args, **kwargs)
         if not offload:
             return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        # torch's checkpoint replays the CPU generator, but a device's generator only for
+        # the devices of the tensors handed to it, and ``body`` is handed none (they would
+        # be kept on the device until backward). So the device generators are saved here,
+        # before the forward draws from them, and replayed around the recomputation:
+        # without it dropout draws new masks there and the gradients are wrong.
+        rng = _DeviceRng(args)
         ticket, entry = schedule.store(args)
         entry.args = args
 
@@ -162,7 +193,9 @@ def checkpointed(fn: Callable, offload: bool = False, schedule: Optional[Offload
                 # Drop them, so only the host copies outlive it.
                 first, entry.args = entry.args, None
                 return fn(*first, **kwargs)
-            return fn(*schedule.fetch(ticket, entry), **kwargs)
+            inputs = schedule.fetch(ticket, entry)
+            with rng.replayed():
+                return fn(*inputs, **kwargs)
 
         return checkpoint(body, use_reentrant=False)
 
