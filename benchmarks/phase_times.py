@@ -69,18 +69,7 @@ def _worker(rank, world_size, store_path, args, queue):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         elif args.system.startswith("fsdp2"):
-            # As systems.FSDP2System: every GPT2Block, then the root; bf16 = MixedPrecisionPolicy
-            # with bf16 parameters and reductions over fp32 sharded masters.
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            mesh = init_device_mesh("cpu", (world_size,))
-            bf16 = torch.bfloat16 if args.precision == "bf16" else None
-            policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)
-            reshard = args.system.endswith("3")
-            for block in model.transformer.h:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            S.fsdp2_shard(model, world_size, args.precision, args.system.endswith("3"))  # as run_all.py
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # over the sharded parameters
 
             def forward_backward():

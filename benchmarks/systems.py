@@ -313,22 +313,28 @@ class _CountsCollectives:
         return dict(self.counter.by_kind)
 
 
+def fsdp2_shard(model, world_size: int, precision: str, reshard_after_forward: bool) -> None:
+    """``fully_shard`` on every GPT2Block and then the root; bf16 = bf16 parameters and
+    reductions over fp32 sharded masters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    if precision == "bf16":
+        # zero_strategy's default reduce dtype is the compute dtype (ZeroConfig.reduce_dtype=None).
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    else:
+        policy = MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+
+
 class FSDP2System(_CountsCollectives):
     def __init__(self, args, world_size, reshard_after_forward):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         self.model = build_model(args)
         self.psi = trainable_numel(self.model)
-        mesh = init_device_mesh("cpu", (world_size,))
-        if args.precision == "bf16":
-            # zero_strategy's default reduce dtype is the compute dtype (ZeroConfig.reduce_dtype=None).
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-        else:
-            policy = MixedPrecisionPolicy()
-        for block in self.model.transformer.h:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fsdp2_shard(self.model, world_size, args.precision, reshard_after_forward)
         self.optimizer = make_optimizer(self.model.parameters(), args)
         self.counter = CollectiveCounter().install()
 
