@@ -104,33 +104,49 @@ def test_reduce_scatter_overlaps_backward_on_cuda():
     assert r["overlapping"] >= 1, r
 
 
-def test_offloaded_activation_checkpoints_leave_the_device_and_come_back_ahead():
-    """One GPU: with offload the checkpoints live in pinned host memory between forward
-    and backward (less device memory held than checkpointing alone) and the gradients
-    are unchanged (the copy-back order is checked on CPU in test_activation_and_buffers).
-    The model trains with GPT-2's default dropout (0.1), so the recomputation must replay
-    the CUDA generator: on CPU only the CPU generator is drawn from, which torch's
-    checkpoint always replays, so this is the one test of the device's."""
+def _bert_model():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                     vocab_size=8192, max_position_embeddings=256)
+    return BertForMaskedLM(cfg).cuda()
+
+
+def _held_and_grads(build, offload):
+    """Device memory held from forward to backward, and the gradients, with
+    ``activation_checkpointing: [auto]`` (offloaded or not) or none (``offload=None``)."""
     from zero_strategy.activation import apply_activation_checkpointing
 
-    def held_and_grads(offload):
-        model = _gpu_model()
-        undo = apply_activation_checkpointing(model, ["auto"], offload) if offload is not None else []
-        ids = torch.randint(0, 8192, (8, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        loss = model(input_ids=ids, labels=ids).loss
-        torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated() - before
-        loss.backward()
-        grads = [p.grad.float().cpu() for p in model.parameters()]
-        for u in undo:
-            u()
-        return held, grads
+    model = build()
+    undo = apply_activation_checkpointing(model, ["auto"], offload) if offload is not None else []
+    ids = torch.randint(0, 8192, (8, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = model(input_ids=ids, labels=ids).loss
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    loss.backward()
+    grads = [p.grad.float().cpu() for p in model.parameters()]
+    for u in undo:
+        u()
+    return held, grads
 
-    plain_held, plain = held_and_grads(None)
-    ckpt_held, ckpt = held_and_grads(False)
-    off_held, off = held_and_grads(True)
+
+@pytest.mark.parametrize("build", [_gpu_model, _bert_model], ids=["gpt2", "bert"])
+def test_checkpointed_blocks_give_the_gradients_of_no_checkpointing_with_dropout(build):
+    """One GPU: checkpointing, with and without offloading the checkpoints to pinned host
+    memory, leaves the gradients unchanged (the copy-back order is checked on CPU in
+    test_activation_and_buffers), and offload holds less device memory than checkpointing
+    alone. Both models train with their default dropout (0.1), so every recomputation must
+    replay the CUDA generator as it was at the block's forward: GPT-2's offloaded blocks
+    reach torch's checkpoint with no tensors, and BERT's embeddings (a block under
+    ``auto``) are called with keywords only, and torch replays the devices of positional
+    tensors only. On CPU only the CPU generator is drawn from, which torch's checkpoint
+    always replays, so these are the tests of the device's."""
+    plain_held, plain = _held_and_grads(build, None)
+    ckpt_held, ckpt = _held_and_grads(build, False)
+    off_held, off = _held_and_grads(build, True)
     assert off_held < ckpt_held < plain_held, (plain_held, ckpt_held, off_held)
     for name, grads in (("checkpointing", ckpt), ("checkpointing + offload", off)):
         for i, (a, b) in enumerate(zip(grads, plain)):

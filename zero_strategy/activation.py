@@ -140,16 +140,41 @@ class OffloadSchedule:
                 for v, rg in zip(values, entry.requires_grad)]
 
 
+def _device_tensors(values) -> List[torch.Tensor]:
+    """The tensors on an accelerator among ``values``, looking inside tuples, lists and
+    dicts (Llama's layers take their rotary tables as a keyword tuple)."""
+    found: List[torch.Tensor] = []
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.device.type not in ("cpu", "meta"):
+                found.append(v)
+        elif isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return found
+
+
 class _DeviceRng:
-    """The random-generator states of the accelerators that a block's tensor inputs are
-    on, as they were when its forward began (the same devices torch's own checkpoint
-    replays when it is given the inputs)."""
+    """The random-generator states of the accelerators that a block's tensor inputs,
+    positional or keyword, are on, as they were when its forward began.
+
+    torch's checkpoint replays the CPU generator, but an accelerator's only for the
+    devices of the positional tensors handed to it. A block called with keywords only
+    (BERT's embeddings: ``input_ids=...``), or the offloaded body, which is handed no
+    tensors at all, would otherwise draw new dropout masks in its recomputation on a GPU,
+    and its gradients would be wrong."""
 
     __slots__ = ("device_type", "ids", "states")
 
-    def __init__(self, args) -> None:
-        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.device.type not in ("cpu", "meta")]
-        self.device_type = tensors[0].device.type if tensors else None
+    def __init__(self, args, kwargs) -> None:
+        tensors = _device_tensors(list(args) + list(kwargs.values()))
+        types = {t.device.type for t in tensors}
+        # One device type, as torch's checkpoint (which prefers CUDA when there are more).
+        self.device_type = "cuda" if "cuda" in types else (tensors[0].device.type if tensors else None)
+        tensors = [t for t in tensors if t.device.type == self.device_type]
         self.ids, self.states = get_device_states(*tensors) if tensors else ([], [])
 
     @contextlib.contextmanager
@@ -176,14 +201,20 @@ def checkpointed(fn: Callable, offload: bool = False, schedule: Optional[Offload
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
+        # Saved before the forward draws from the generators (see _DeviceRng).
+        rng = _DeviceRng(args, kwargs)
         if not offload:
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        # torch's checkpoint replays the CPU generator, but a device's generator only for
-        # the devices of the tensors handed to it, and ``body`` is handed none (they would
-        # be kept on the device until backward). So the device generators are saved here,
-        # before the forward draws from them, and replayed around the recomputation:
-        # without it dropout draws new masks there and the gradients are wrong.
-        rng = _DeviceRng(args)
+            calls = 0
+
+            def replaying(*a, **k):
+                nonlocal calls
+                calls += 1
+                if calls == 1:  # the forward itself
+                    return fn(*a, **k)
+                with rng.replayed():
+                    return fn(*a, **k)
+
+            return checkpoint(replaying, *args, use_reentrant=False, **kwargs)
         ticket, entry = schedule.store(args)
         entry.args = args
 
