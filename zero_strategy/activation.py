@@ -23,6 +23,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 from .planner import find_unit_module_classes
@@ -140,23 +141,6 @@ class OffloadSchedule:
                 for v, rg in zip(values, entry.requires_grad)]
 
 
-def _device_tensors(values) -> List[torch.Tensor]:
-    """The tensors on an accelerator among ``values``, looking inside tuples, lists and
-    dicts (Llama's layers take their rotary tables as a keyword tuple)."""
-    found: List[torch.Tensor] = []
-    stack = list(values)
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            if v.device.type not in ("cpu", "meta"):
-                found.append(v)
-        elif isinstance(v, (tuple, list)):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-    return found
-
-
 class _DeviceRng:
     """The random-generator states of the accelerators that a block's tensor inputs,
     positional or keyword, are on, as they were when its forward began.
@@ -170,11 +154,16 @@ class _DeviceRng:
     __slots__ = ("device_type", "ids", "states")
 
     def __init__(self, args, kwargs) -> None:
-        tensors = _device_tensors(list(args) + list(kwargs.values()))
-        types = {t.device.type for t in tensors}
+        # One tensor per device, looking inside containers (Llama's layers take their
+        # rotary tables as a keyword tuple), as torch's checkpoint walks its arguments.
+        one_per_device = {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type not in ("cpu", "meta"):
+                one_per_device.setdefault(leaf.device, leaf)
+        types = {d.type for d in one_per_device}
         # One device type, as torch's checkpoint (which prefers CUDA when there are more).
-        self.device_type = "cuda" if "cuda" in types else (tensors[0].device.type if tensors else None)
-        tensors = [t for t in tensors if t.device.type == self.device_type]
+        self.device_type = "cuda" if "cuda" in types else next(iter(types), None)
+        tensors = [t for d, t in one_per_device.items() if d.type == self.device_type]
         self.ids, self.states = get_device_states(*tensors) if tensors else ([], [])
 
     @contextlib.contextmanager
