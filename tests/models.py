@@ -60,3 +60,64 @@ class Trunk(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.trunk(x)).pow(2).mean()
+
+
+class TrustRatioSGD(torch.optim.Optimizer):
+    """A LAMB/LARS-like optimizer the engine does not know: each parameter's step is
+    scaled by ``||p|| / ||g||`` (the whole parameter's norms), with momentum.  Any
+    per-piece computation of the norms gives a different update."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad + group["weight_decay"] * p
+                w, gn = p.norm(), g.norm()
+                trust = torch.where((w > 0) & (gn > 0), w / gn, torch.ones_like(w))
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    buf = state["momentum_buffer"] = torch.zeros_like(p)
+                buf.mul_(group["momentum"]).add_(g, alpha=trust)
+                p.add_(buf, alpha=-group["lr"])
+
+
+def muon_adamw(model, lr: float = 1e-2):
+    """Muon on the 2-D hidden matrices, AdamW on the rest (embeddings, norms, biases):
+    the split Moonlight and nanochat train with."""
+    hidden, rest = [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (hidden if p.ndim == 2 and "wte" not in n and "wpe" not in n else rest).append(p)
+    return [torch.optim.Muon(hidden, lr=lr * 2, momentum=0.9, weight_decay=0.01),
+            torch.optim.AdamW(rest, lr=lr, weight_decay=0.01)]
+
+
+def muon_orthogonalise_in_fp32() -> None:
+    """Make torch's Muon run its Newton-Schulz iteration in fp32 (in this process).
+
+    Stock Muon rounds the gradient to bf16 first, so any two summation orders of the
+    same gradient (one process vs N ranks) differ by bf16 rounding after the
+    iteration; in fp32 the comparison can be held to fp32 tolerances.  Same iteration
+    (quintic, torch's coefficients), only the dtype differs."""
+    from torch.optim import _muon
+
+    def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        x = grad.float()
+        tall = x.size(0) > x.size(1)
+        if tall:
+            x = x.T
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x.T if tall else x
+
+    _muon._zeropower_via_newtonschulz = newton_schulz_fp32

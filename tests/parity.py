@@ -13,17 +13,37 @@ import copy
 import torch
 import torch.distributed as dist
 
-from models import lm_batches, tiny_gpt2, two_group_optimizer
+from models import TrustRatioSGD, lm_batches, muon_adamw, muon_orthogonalise_in_fp32, tiny_gpt2, two_group_optimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def make_optimizer(model, job):
+    """One optimizer, or a list of them (``"muon+adamw"``)."""
     # AdamW is what fine-tuning uses, but it is blind to a wrong gradient scale;
     # SGD with momentum is not, so the matrix runs both.
-    if job.get("optim", "adamw") == "sgd":
+    kind = job.get("optim", "adamw")
+    if kind == "sgd":
         return two_group_optimizer(model, lr=job.get("lr", 0.5), cls=torch.optim.SGD, momentum=0.9)
+    if kind == "adafactor":  # transformers' (the Trainer's --optim adafactor), factored on 2-D weights
+        from transformers.optimization import Adafactor
+
+        # eps[0] above its 1e-30 default: GPT-2's key bias has an exactly-zero true gradient
+        # (softmax ignores it), and Adafactor would otherwise normalise its rounding noise
+        # into full-size steps that differ between any two summation orders.
+        return two_group_optimizer(model, lr=job.get("lr", 1e-2), cls=Adafactor, relative_step=False,
+                                   scale_parameter=False, warmup_init=False, eps=(1e-10, 1e-3))
+    if kind == "trust_ratio":
+        return two_group_optimizer(model, lr=job.get("lr", 0.05), cls=TrustRatioSGD)
+    if kind == "muon+adamw":
+        if job.get("muon_fp32", True):
+            muon_orthogonalise_in_fp32()
+        return muon_adamw(model, lr=job.get("lr", 1e-2))
     return two_group_optimizer(model, lr=job.get("lr", 1e-2))
+
+
+def _as_list(opt):
+    return list(opt) if isinstance(opt, (list, tuple)) else [opt]
 
 
 def build(job):
@@ -46,14 +66,15 @@ def reference_run(job):
     compute = copy.deepcopy(model).to(torch.float32 if autocast else dtype)
     masters = [torch.nn.Parameter(master[n]) for n, p in model.named_parameters()]
     by_name = dict(zip([n for n, _ in model.named_parameters()], masters))
-    opt_groups = []
-    ref_opt_template = make_optimizer(model, job)
     name_of = {id(p): n for n, p in model.named_parameters()}
-    for g in ref_opt_template.param_groups:
-        ng = {k: v for k, v in g.items() if k != "params"}
-        ng["params"] = [by_name[name_of[id(p)]] for p in g["params"]]
-        opt_groups.append(ng)
-    opt = type(ref_opt_template)(opt_groups)  # every hyperparameter is in the group dicts
+    opts = []
+    for template in _as_list(make_optimizer(model, job)):
+        opt_groups = []
+        for g in template.param_groups:
+            ng = {k: v for k, v in g.items() if k != "params"}
+            ng["params"] = [by_name[name_of[id(p)]] for p in g["params"]]
+            opt_groups.append(ng)
+        opts.append(type(template)(opt_groups))  # every hyperparameter is in the group dicts
     scale = float(2 ** job.get("initial_scale_power", 8)) if job["precision"] == "fp16" else 1.0
     losses = []
     cparams = dict(compute.named_parameters())
@@ -80,7 +101,8 @@ def reference_run(job):
                 m.grad = None
         if job.get("clip"):
             torch.nn.utils.clip_grad_norm_([m for m in masters if m.grad is not None], job["clip"])
-        opt.step()
+        for opt in opts:
+            opt.step()
         with torch.no_grad():
             for n, m in by_name.items():
                 cparams[n].copy_(m)

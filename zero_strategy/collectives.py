@@ -479,3 +479,38 @@ __all__: Sequence[str] = [
     "Identity", "Mismatch", "Pending", "all_gather", "all_reduce", "broadcast", "reduce_scatter",
     "reduce_gathered", "header_elements", "bitsum_header_fits",
 ]
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int], group,
+               world_size: int, ident: Optional[Identity]) -> Pending:
+    """Chunk ``r`` of ``inp`` (``in_splits[r]`` elements) goes to rank ``r``; chunk ``r``
+    of ``out`` comes from rank ``r``.  With a header, every chunk carries its own after
+    its payload (staged), so a rank that issued something else is named on receipt."""
+    if ident is None:
+        return Pending(dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group, async_op=True))
+    h = header_elements(inp.dtype)
+    send = torch.empty(sum(in_splits) + h * world_size, dtype=inp.dtype, device=inp.device)
+    recv = torch.empty(sum(out_splits) + h * world_size, dtype=out.dtype, device=out.device)
+    at = src = 0
+    for n in in_splits:
+        send[at : at + n].copy_(inp[src : src + n])
+        send[at + n : at + n + h].view(torch.uint8).zero_()
+        _write_raw(send[at + n : at + n + h], ident)
+        at, src = at + n + h, src + n
+    work = dist.all_to_all_single(recv, send, [n + h for n in out_splits], [n + h for n in in_splits],
+                                  group=group, async_op=True)
+
+    def finish() -> Optional[Mismatch]:
+        mine = (ident.what, ident.where)
+        bad, at, dst = [], 0, 0
+        for r, n in enumerate(out_splits):
+            got = _read_raw(recv[at + n : at + n + h].reshape(1, h))[0]
+            if got != mine:
+                bad.append((r, got))
+            elif not bad:
+                out[dst : dst + n].copy_(recv[at : at + n])
+            at, dst = at + n + h, dst + n
+        _release(send, recv)
+        return Mismatch(ident, bad, "") if bad else None
+
+    return Pending(work, finish)

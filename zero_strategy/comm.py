@@ -7,6 +7,8 @@ paper's 2Ψ / 3Ψ.  Accounting convention (the paper's, first-order ring volume)
 * ``reduce_scatter`` and ``all_gather`` count the size of the *full* (unsharded) tensor:
   in a ring each rank sends and receives about that many elements.
 * ``all_reduce`` counts twice its size (it is a reduce-scatter followed by an all-gather).
+* ``whole_param_exchange`` (all-to-all, [Note: whole-parameter optimizers] in
+  whole_params.py) counts what this rank sends to the others.
 
 ``paper_volume`` in the report adds these up; small control collectives (overflow
 flags, norms) are counted under their own kind and excluded from ``paper_volume``.
@@ -429,6 +431,20 @@ class Communicator:
         position, ident = self._enter("all_reduce", label, tensor, tensor.numel())
         return self._issue(C.all_reduce(tensor, self.group, self.world_size, ident, rider=rider, room_after=room_after),
                            position, async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
+                   label: str = "whole parameters", kind: str = "whole_param_exchange") -> None:
+        """Synchronous personalised exchange: chunk ``r`` of ``inp`` (``in_splits[r]``
+        elements) goes to rank ``r``, chunk ``r`` of ``out`` comes from it.  Counted
+        under ``kind`` as the elements this rank sends to the others (its own chunk
+        moves nowhere), outside ``paper_volume``."""
+        self._count(kind, sum(n for r, n in enumerate(in_splits) if r != self.rank), inp.element_size())
+        if self.world_size == 1:
+            out.copy_(inp)
+            return
+        # The size in the header is the same on every rank (the chunks are not).
+        position, ident = self._enter("all_to_all", label, inp, 0)
+        self._issue(C.all_to_all(out, inp, out_splits, in_splits, self.group, self.world_size, ident), position, False)
 
     def control_all_reduce(self, tensor: torch.Tensor, op: str = "sum", label: str = "a control value") -> torch.Tensor:
         """Small synchronous reductions (overflow flags, norms): counted as ``control``.

@@ -168,6 +168,16 @@ def _as_method_names(value: Any, name: str = "keep_gathered_methods") -> tuple:
     return tuple(dict.fromkeys(v.strip() for v in value))  # without repeats, in the given order
 
 
+def _as_class_names(value: Any, name: str = "elementwise_optimizers") -> tuple:
+    if value is None or value is False or (isinstance(value, (str, list, tuple)) and not value):
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip().isidentifier() for v in value):
+        raise _type_error(name, value, "a list of optimizer class names, e.g. ['MyAdam'], or [] for none")
+    return tuple(dict.fromkeys(v.strip() for v in value))
+
+
 def _as_unit_modules(value: Any, name: str = "unit_modules") -> tuple:
     if isinstance(value, str):
         value = (value,)
@@ -293,6 +303,21 @@ class ZeroConfig:
     under `nvme_path` (ZeRO-Infinity), read ahead and written back unit by unit around a
     host step; "none" keeps them on the training device."""
 
+    host_optimizer_step: str = "fused"
+    """With offload_optimizer "cpu" or "nvme": how the host step runs. "fused" steps each
+    unit's flat fp32 buffers with torch's fused CPU kernel when the optimizer is exactly
+    torch's Adam, AdamW, SGD or Adagrad (and its group does not set fused=False,
+    differentiable or capturable); "optimizer" always calls the optimizer's own step()
+    over one tensor per parameter piece."""
+
+    elementwise_optimizers: tuple = ()
+    """Class names (``type(opt).__name__``) of optimizers of yours that update every
+    element from that element's gradient and state alone (as Adam does), so that they
+    may be handed flat shard pieces. Every other optimizer class outside torch's built-in
+    per-element ones gets whole parameters ([Note: whole-parameter optimizers] in
+    whole_params.py): correct for Adafactor, Muon, LAMB and the like, at some extra
+    communication. Declaring a shape-aware optimizer here makes its update wrong."""
+
     offload_param: str = "none"
     """Stage 3 with offload_optimizer "nvme": "nvme" also keeps this rank's 16-bit
     parameter shards in files under `nvme_path` (read for each all-gather); "none" keeps
@@ -371,6 +396,9 @@ class ZeroConfig:
             raise _type_error("overlap_comm", self.overlap_comm, "true or false")
         put("unit_modules", _as_unit_modules(self.unit_modules))
         put("keep_gathered_methods", _as_method_names(self.keep_gathered_methods))
+        if self.host_optimizer_step not in ("fused", "optimizer"):
+            raise ValueError(f"ZeroConfig.host_optimizer_step must be 'fused' or 'optimizer', got {self.host_optimizer_step!r}")
+        put("elementwise_optimizers", _as_class_names(self.elementwise_optimizers))
         _check_offload(self)
         ac = self.activation_checkpointing
         if ac in (None, False, "", (), []):

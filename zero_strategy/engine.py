@@ -37,6 +37,9 @@ from .keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
 from .guard import guard_parameters, unguard_parameters
 from .materialize import forget_meta_moves, initialize_deferred, load_pretrained, meta_parameter_ids
 from .optimizer import ZeroOptimizer, repoint_optimizer
+from .optimizer_kinds import is_elementwise
+from .optimizer_set import OptimizerSet, as_optimizer_list
+from .whole_params import assign_owners
 from .loss_scale import LossScaler
 from .misuse import SkipWatch, engine_steps, guard_misuse
 from .param_shard import ShardState, whole_values
@@ -167,6 +170,9 @@ class ZeroEngine:
         self.device = _materialization_device(device, self.comm) if pending else None
         self.orig_dtype_by_id = {id(p): p.dtype for p in model.parameters()}
 
+        # One optimizer or several ([Note: several optimizers] in optimizer_set.py).
+        self.inner_optimizers: List[torch.optim.Optimizer] = as_optimizer_list(optimizer)
+        optimizer = OptimizerSet(self.inner_optimizers) if self.inner_optimizers else None
         # Before any other collective: ranks set up differently fail here, naming the difference.
         check_same_setup(self.comm, model, optimizer, self.config, sync_module_states=sync_module_states, pretrained=pretrained)
         if sync_module_states and self.comm.world_size > 1:
@@ -202,21 +208,30 @@ class ZeroEngine:
         if self.disk_offload is not None:
             self.disk_offload.check("creating the disk-offload files")
 
-        # The user's optimizer now updates this rank's shards.
-        self.inner_optimizer = optimizer
-        self.optimizer: Optional[ZeroOptimizer] = None
-        # Where each parameter the user gave the optimizer now lives, in the optimizer's own
-        # order: (unit index, position) or None (not partitioned), for optimizer state
-        # dicts in torch's format (state.full_optimizer_state_dict).
+        # The user's optimizers now update this rank's shards.
+        self.optimizers: List[ZeroOptimizer] = []
+        # Where each parameter the user gave an optimizer now lives, per param group of
+        # every optimizer in order (see param_places_of): (unit index, position) or None
+        # (not partitioned), for optimizer state dicts in torch's format.
         self.optimizer_param_places: List[List[Optional[tuple]]] = []
+        self._stepped: Optional[set] = None  # the optimizers stepped in this round ([Note: step rounds])
         if optimizer is not None:
             place = {id(p): (u.index, i) for u in self.units for i, p in enumerate(u.params)}
             self.optimizer_param_places = [[place.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
-            per_group: Dict[int, list] = {}
+            self._group_offsets = optimizer.group_offsets
             for u in self.trainable_units:
-                per_group.setdefault(u.group_index, []).extend(u.optim_params)
-            repoint_optimizer(optimizer, per_group)
-            self.optimizer = ZeroOptimizer(self)
+                u.optimizer_index, u.local_group_index = optimizer.locate(u.group_index)
+            # Shape-aware optimizers get whole parameters ([Note: element-wise or whole-parameter]).
+            whole = [u for u in self.trainable_units
+                     if not is_elementwise(self.inner_optimizers[u.optimizer_index], self.config.elementwise_optimizers)]
+            for u, owners in zip(whole, assign_owners([u.layout for u in whole])):
+                u.use_whole_params(owners)
+            for k, opt in enumerate(self.inner_optimizers):
+                per_group: Dict[int, list] = {}
+                for u in self.units_of(k):
+                    per_group.setdefault(u.local_group_index, []).extend(u.optim_params)
+                repoint_optimizer(opt, per_group)
+            self.optimizers = [ZeroOptimizer(self, k) for k in range(len(self.inner_optimizers))]
         guard_misuse(self)  # the inner optimizer's own step(), torch's clip_grad_norm_ ([Note: silent misuse])
 
         # C_B: two buckets' worth in flight; a unit bigger than that is reduced alone.
@@ -267,6 +282,44 @@ class ZeroEngine:
         self._unwrap_methods = wrap_methods(self, methods)
         if self.disk_offload is not None:
             self.disk_offload.evict_all()  # the values written above go to disk, out of memory
+
+    # -- optimizers ---------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> Optional[ZeroOptimizer]:
+        """The ZeroOptimizer of an engine with one optimizer (None without one); with
+        several, use :attr:`optimizers`."""
+        return self._only("optimizer", self.optimizers)
+
+    @property
+    def inner_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        """The user's optimizer of an engine with one optimizer (None without one); with
+        several, use :attr:`inner_optimizers`."""
+        return self._only("inner_optimizer", self.inner_optimizers)
+
+    def _only(self, what: str, items: list):
+        if len(items) > 1:
+            names = ", ".join(type(o).__name__ for o in self.inner_optimizers)
+            raise RuntimeError(
+                f"engine.{what} is ambiguous: this engine has {len(items)} optimizers ({names}); use "
+                f"engine.{what}s[k] for optimizer k"
+            )
+        return items[0] if items else None
+
+    def units_of(self, k: int) -> List[FlatUnit]:
+        """The trainable units optimizer ``k`` updates."""
+        return [u for u in self.trainable_units if u.optimizer_index == k]
+
+    def param_places_of(self, k: int) -> List[List[Optional[tuple]]]:
+        """:attr:`optimizer_param_places` of optimizer ``k``'s own param groups."""
+        start = self._group_offsets[k]
+        return self.optimizer_param_places[start : start + len(self.inner_optimizers[k].param_groups)]
+
+    def optimizer_index(self, optimizer) -> int:
+        """The index of ``optimizer`` (a user optimizer or its ZeroOptimizer) in this engine."""
+        for k, (inner, outer) in enumerate(zip(self.inner_optimizers, self.optimizers)):
+            if optimizer is inner or optimizer is outer:
+                return k
+        raise ValueError(f"this {type(optimizer).__name__} is not one of this engine's optimizers")
 
     # ------------------------------------------------------------------------------------
     def _reduction_order(self, plan) -> List[FlatUnit]:
@@ -550,7 +603,7 @@ class ZeroEngine:
         """Clip this step's gradients by their global norm over every shard; return the
         norm before clipping (inf/nan after an fp16 overflow, in which case nothing is clipped)."""
         self._check_open()
-        if self.optimizer is None:
+        if not self.optimizers:
             raise RuntimeError("clip_grad_norm_ needs an optimizer: initialize was called with optimizer=None")
         overflow = self._prepare_master_grads("clip_grad_norm_()")
         norm_type = float(norm_type)
@@ -576,7 +629,7 @@ class ZeroEngine:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (after fp16
         unscaling).  Element-wise, so each rank clamps its own shard."""
         self._check_open()
-        if self.optimizer is None:
+        if not self.optimizers:
             raise RuntimeError("clip_grad_value_ needs an optimizer: initialize was called with optimizer=None")
         if self._prepare_master_grads("clip_grad_value_()"):
             return
@@ -588,34 +641,73 @@ class ZeroEngine:
             return local
         return self.comm.control_all_reduce(local, op, label="the gradient norm")
 
-    def step(self) -> bool:
-        """Apply the optimizer to this rank's shards and refresh the parameters.
+    # [Note: step rounds]
+    # A step is a round over the optimizers: the first step() call of a round agrees on
+    # fp16 overflow and usage and clips (every optimizer's gradients together); each
+    # optimizer then updates its own units and gathers them; when every optimizer has
+    # stepped, or at zero_grad(), the round ends (loss scale, global_step, gradients
+    # cleared).  engine.step() is a whole round; engine.optimizers[k].step() is one
+    # optimizer's part of it ([Note: several optimizers] in optimizer_set.py).
+    def step(self, optimizer_index: Optional[int] = None) -> bool:
+        """Apply the optimizers (or only optimizer ``optimizer_index``: see [Note: step
+        rounds]) to this rank's shards and refresh the parameters.
 
         Returns False when an fp16 overflow (on any rank) skipped the step."""
         self._check_open()
-        if self.optimizer is None:
+        if not self.optimizers:
             raise RuntimeError("step() needs an optimizer: initialize was called with optimizer=None")
+        every = range(len(self.optimizers))
+        ks = list(every) if optimizer_index is None else [optimizer_index]
+        if self._stepped is None:
+            self._start_round()
+        again = [k for k in ks if k in self._stepped]
+        if again:
+            raise RuntimeError(
+                f"optimizer {again[0]} ({type(self.inner_optimizers[again[0]]).__name__}) was already stepped since the "
+                "last zero_grad(): its gradients were applied once; call zero_grad() and run a backward before stepping "
+                "it again"
+            )
+        self._stepped.update(ks)
+        if not self._round_skipped:
+            for k in ks:
+                units = self.units_of(k)
+                with engine_steps(self.inner_optimizers[k]):
+                    step_units(self.inner_optimizers[k], units, self._step_grad, self._used_of,
+                               disk=self.disk_offload, comm=self.comm)
+                self._all_gather_updated_params(units)
+                self._keep.refresh(units)  # inside keep_gathered(): no stale copy
+        skipped = self._round_skipped
+        if len(self._stepped) == len(self.optimizers):
+            self.zero_grad()  # ends the round
+        return not skipped
+
+    _round_skipped = False
+
+    def _start_round(self) -> None:
         overflow = self._prepare_master_grads("step()")
+        self._stepped, self._round_skipped = set(), overflow
         if overflow:
             if self.scaler.dynamic and self.scaler.scale <= self.scaler.min_scale and self.config.on_min_loss_scale == "raise":
+                self._stepped = None
                 self._raise_at_min_loss_scale()
+            return
+        if self.config.gradient_clipping > 0:
+            self.clip_grad_norm_(self.config.gradient_clipping)
+
+    def _end_round(self) -> None:
+        """The bookkeeping of a step, once per round (see [Note: step rounds])."""
+        if self._stepped is None:
+            return
+        self._stepped = None
+        if self._round_skipped:
             self.scaler.update(True)
             self._skip_watch.skipped(self.scaler, self.global_step)
             self.last_step_skipped = True
-            self.zero_grad()
-            return False
-        if self.config.gradient_clipping > 0:
-            self.clip_grad_norm_(self.config.gradient_clipping)
-        with engine_steps(self.inner_optimizer):
-            step_units(self.inner_optimizer, self.trainable_units, self._step_grad, self._used_of, disk=self.disk_offload)
+            return
         self._skip_watch.stepped()
-        self._all_gather_updated_params()
-        self._keep.refresh(self.trainable_units)  # inside keep_gathered(): no stale copy
         self.scaler.update(False)
         self.last_step_skipped = False
         self.global_step += 1
-        self.zero_grad()
-        return True
 
     def _raise_at_min_loss_scale(self) -> None:
         local = []
@@ -637,14 +729,14 @@ class ZeroEngine:
             "Lower the learning rate, use bf16, or set on_min_loss_scale='skip' to keep skipping."
         )
 
-    def _all_gather_updated_params(self) -> None:
+    def _all_gather_updated_params(self, units: List[FlatUnit]) -> None:
         """Units kept whole (stages 1-2, stage 3's persistent ones) need every rank's update."""
         if not self.policies.stage.gathers_after_step:
             return
         # Buckets of about allgather_bucket_size elements in flight; each bucket is one
         # batch of gathers into the kept buffers (comm.all_gather_kept).
         buckets, bucket, in_flight = [], [], 0
-        for u in self.trainable_units:
+        for u in units:
             if not u.keep_full:
                 continue  # stage 3: gathered on demand by the next forward
             store = u.params_store
@@ -660,6 +752,8 @@ class ZeroEngine:
                 w.wait()
 
     def zero_grad(self) -> None:
+        """Clear every gradient; ends a step round in progress ([Note: step rounds])."""
+        self._end_round()
         for u in self.trainable_units:
             u.grads.zero()
             u.set_optimizer_grads(None)
@@ -743,10 +837,11 @@ class ZeroEngine:
             report["parameters"] += p.numel() * p.element_size()
             if p.grad is not None:
                 report["gradients"] += p.grad.numel() * p.grad.element_size()
-        if self.inner_optimizer is not None:
-            report["optimizer_state"] = optimizer_state_bytes(self.inner_optimizer)
+        if self.inner_optimizers:
+            report["optimizer_state"] = sum(optimizer_state_bytes(opt) for opt in self.inner_optimizers)
             if self.policies.offload.offloads_optimizer:
                 report["offloaded"] += report["optimizer_state"]
+
         offloaded = report.pop("offloaded")
         report["total"] = sum(report.values())
         # What stays on the training device (the saving ZeRO-Offload buys) and what
@@ -755,6 +850,10 @@ class ZeroEngine:
         report["host"] = 0 if on_disk else offloaded
         report["disk"] = offloaded if on_disk else 0  # in disk-offload files, not memory
         report["device"] = report["total"] - offloaded
+        # Not held now, so outside the total: what a whole-parameter optimizer's step adds
+        # (the owned cut parameters' whole value and gradient, [Note: whole-parameter optimizers]).
+        report["whole_param_step"] = sum(u.whole_params.step_bytes() for u in self.trainable_units
+                                         if u.whole_params is not None)
         return report
 
     def unit_summary(self) -> dict:
@@ -901,7 +1000,8 @@ class ZeroEngine:
         """Disk offload: a load replaced optimizer state tensors, or a save paged files in:
         move new state into the files and drop everything from memory again."""
         if self.disk_offload is not None and self.phase is not Phase.CLOSED:
-            if self.inner_optimizer is not None:
-                self.disk_offload.adopt_all(self.trainable_units, self.inner_optimizer)
+            if self.inner_optimizers:
+                for k, opt in enumerate(self.inner_optimizers):
+                    self.disk_offload.adopt_all(self.units_of(k), opt)
             else:
                 self.disk_offload.evict_all()

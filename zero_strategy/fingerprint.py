@@ -82,7 +82,8 @@ def describe_setup(model: nn.Module, optimizer, config, *, sync_module_states: b
         "config": {k: _scalar(v) for k, v in sorted(config.to_dict().items()) if k not in _PER_RANK_FIELDS},
         "parameters": [[n, list(p.shape), str(p.dtype), bool(p.requires_grad)] for n, p in model.named_parameters()],
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
-        "optimizer": None if optimizer is None else {"class": type(optimizer).__qualname__, "groups": groups},
+        "optimizer": None if optimizer is None else {"class": getattr(optimizer, "class_name", type(optimizer).__qualname__),
+                                                     "groups": groups},
         "options": {"sync_module_states": bool(sync_module_states), "pretrained": pretrained is not None},
     }
 

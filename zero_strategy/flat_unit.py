@@ -19,7 +19,9 @@ per parameter, as in plain torch.  That is what makes a parameter that got no
 gradient in a step (an expert no token was routed to, a branch not taken) come out
 exactly as under DDP: its view gets no ``.grad``, so torch's optimizers skip it
 entirely, and neither weight decay nor momentum nor its own Adam step count moves.
-Padding belongs to no view, so it has no optimizer state.
+Padding belongs to no view, so it has no optimizer state.  (An optimizer that is not
+element-wise gets whole parameters instead: [Note: whole-parameter optimizers] in
+whole_params.py.)
 
 The unit itself decides nothing: the reducer and the gatherer say when to communicate,
 the engine says when to step.
@@ -35,6 +37,7 @@ from .grad_storage import grad_storage_for
 from .layout import FlatLayout
 from .param_shard import ParamShard, ShardState
 from .policy import Policies
+from .whole_params import WholeParams
 
 
 class FlatUnit:
@@ -46,7 +49,11 @@ class FlatUnit:
         self.closed = False  # its engine was closed (the guard's error message says so)
         self.params = list(params)
         self.names = [list(n) for n in names]  # every name each parameter has (tied weights)
-        self.group_index = group_index
+        self.group_index = group_index  # over every optimizer's param groups, in order
+        # Which optimizer updates this unit, and its param group there (the engine sets
+        # these when it has several optimizers: [Note: several optimizers] in optimizer_set.py).
+        self.optimizer_index = 0
+        self.local_group_index = group_index
         self.trainable = group_index is not None
         self.shapes = [tuple(p.shape) for p in self.params]
         self.orig_dtypes = [p.dtype for p in self.params]
@@ -72,6 +79,7 @@ class FlatUnit:
             after_write=disk.writer(index) if on_disk else None,
         )
         self.grads = None
+        self.whole_params: Optional[WholeParams] = None  # set by use_whole_params
         self.optim_params: List[nn.Parameter] = []
         # (position in the unit, start in the shard, length) of each optimizer tensor.
         self.optim_slices: List[Tuple[int, int, int]] = []
@@ -89,10 +97,29 @@ class FlatUnit:
                 # A Parameter made from a view shares its storage: the update lands in the shard.
                 self.optim_params.append(nn.Parameter(piece, requires_grad=True))
                 self.optim_slices.append((i, s_start, length))
+        # The position of each optimizer tensor's parameter in the unit (both modes).
+        self.optim_positions: List[int] = [i for i, _, _ in self.optim_slices]
+
+    def use_whole_params(self, owners: Sequence[int]) -> None:
+        """Hand the optimizer whole parameters instead of pieces: one tensor per parameter
+        this rank owns (``owners``: the owning shard of each position), see
+        [Note: whole-parameter optimizers] in whole_params.py."""
+        self.whole_params = WholeParams(self.layout, self.shard_index, owners, self.shapes,
+                                        self.params_store.optimizer_target, self.label)
+        self.optim_params = self.whole_params.tensors
+        self.optim_slices = None  # pieces only: a reader that forgets whole mode fails loudly
+        self.optim_positions = self.whole_params.positions
 
     def set_optimizer_grads(self, grad: Optional[torch.Tensor], used: Optional[Sequence[bool]] = None) -> None:
         """Give each optimizer tensor its part of ``grad`` (this rank's flat gradient
-        slice), or None where ``used[position]`` is False or ``grad`` is None."""
+        slice), or None where ``used[position]`` is False or ``grad`` is None.  In
+        whole-parameter mode only None is given here (the step goes through
+        ``whole_params.arrive``)."""
+        if self.whole_params is not None:
+            if grad is not None:
+                raise RuntimeError("whole-parameter units get their gradients through whole_params.arrive()")
+            self.whole_params.clear()
+            return
         for t, (i, s_start, length) in zip(self.optim_params, self.optim_slices):
             if grad is None or (used is not None and not used[i]):
                 t.grad = None

@@ -48,9 +48,11 @@ _STEPPING = "_zero_strategy_stepping"
 
 # -- the inner optimizer's step ------------------------------------------------------------------
 def guard_inner_optimizer(engine) -> None:
-    opt = engine.inner_optimizer
-    if opt is None:
-        return
+    for opt in engine.inner_optimizers:
+        _guard_one(engine, opt)
+
+
+def _guard_one(engine, opt) -> None:
     engine_ref = weakref.ref(engine)
     previous = opt.__dict__.get("step")  # an LR scheduler's step tracking, set on the instance
 
@@ -62,7 +64,7 @@ def guard_inner_optimizer(engine) -> None:
                 f"optimizer.step() was called on the {type(self).__name__} given to zero_strategy.initialize: the "
                 "ZeroEngine now drives it over this rank's shards, whose gradients exist only inside "
                 "engine.step(), so this call would silently do nothing. Call engine.step() instead (or "
-                "engine.optimizer.step(), the ZeroOptimizer that frameworks call), then engine.zero_grad()."
+                "engine.optimizers[k].step(), the ZeroOptimizer that frameworks call), then engine.zero_grad()."
             )
         if previous is not None:
             return previous(*args, **kwargs)

@@ -39,9 +39,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     own; ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's.
     """
 
-    def __init__(self, engine) -> None:  # noqa: D401 - see class docstring
+    def __init__(self, engine, index: int = 0) -> None:  # noqa: D401 - see class docstring
         self._engine = engine
-        self._inner = engine.inner_optimizer
+        self._index = index  # which of the engine's optimizers ([Note: several optimizers])
+        self._inner = engine.inner_optimizers[index]
         # Attributes torch.optim machinery (LR schedulers, hooks) expects to exist.
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
@@ -96,10 +97,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.step()
+        # With one optimizer this is the engine's whole step; with several, this
+        # optimizer's part of the round ([Note: step rounds] in engine.py).
+        self._engine.step(None if len(self._engine.optimizers) == 1 else self._index)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears every gradient of the engine (its units hold them for all optimizers)
+        and ends the step round."""
         self._engine.zero_grad()
 
     def state_dict(self) -> dict:
@@ -116,4 +121,5 @@ class ZeroOptimizer(torch.optim.Optimizer):
         )
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer(stage={self._engine.policies.stage.stage}, inner={self._inner.__class__.__name__})"
+        return (f"ZeroOptimizer(stage={self._engine.policies.stage.stage}, inner={self._inner.__class__.__name__}"
+                + (f", index={self._index})" if len(self._engine.optimizers) > 1 else ")"))

@@ -65,15 +65,19 @@ def group_index_of(model: nn.Module, optimizer: Optional[torch.optim.Optimizer])
     where: Dict[int, Optional[int]] = {pid: None for pid in names}
     if optimizer is None:
         return where
+    group_name = getattr(optimizer, "group_name", lambda gi: f"param group {gi}")
     for gi, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in where:
                 raise ValueError(
                     "the optimizer holds a tensor that is not a parameter of the model "
-                    f"(shape {tuple(p.shape)}, param group {gi}); build the optimizer from model.parameters()"
+                    f"(shape {tuple(p.shape)}, {group_name(gi)}); build the optimizer from model.parameters()"
                 )
             if where[id(p)] is not None:
-                raise ValueError(f"parameter {names[id(p)][1][0]!r} appears in two optimizer param groups")
+                raise ValueError(
+                    f"parameter {names[id(p)][1][0]!r} appears twice: in {group_name(where[id(p)])} and in "
+                    f"{group_name(gi)}; give each parameter to exactly one optimizer param group"
+                )
             where[id(p)] = gi
     for pid, (p, pnames) in names.items():
         if p.requires_grad and where[pid] is None:

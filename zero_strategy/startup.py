@@ -16,7 +16,8 @@ def startup_line(engine) -> str:
 
         summary = engine.unit_summary()
         psi = sum(u["numel"] for u in summary["units"])
-        opt = engine.inner_optimizer
+        opts = engine.inner_optimizers
+        opt = opts[0] if len(opts) == 1 else None  # the formula has one K: one optimizer
         if psi and opt is not None:
             name = type(opt).__name__.lower()
             if name == "sgd" and not any(g.get("momentum", 0) for g in opt.param_groups):
