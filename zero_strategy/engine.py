@@ -673,7 +673,7 @@ class ZeroEngine:
                 units = self.units_of(k)
                 with engine_steps(self.inner_optimizers[k]):
                     step_units(self.inner_optimizers[k], units, self._step_grad, self._used_of,
-                               disk=self.disk_offload, comm=self.comm)
+                               disk=self.disk_offload, comm=self.comm, host_fused=self._host_fused)
                 self._all_gather_updated_params(units)
                 self._keep.refresh(units)  # inside keep_gathered(): no stale copy
         skipped = self._round_skipped
@@ -682,6 +682,11 @@ class ZeroEngine:
         return not skipped
 
     _round_skipped = False
+
+    @property
+    def _host_fused(self) -> bool:
+        # The host step at memory speed ([Note: fused host step] in host_step.py).
+        return self.policies.offload.offloads_optimizer and self.config.host_optimizer_step == "fused"
 
     def _start_round(self) -> None:
         overflow = self._prepare_master_grads("step()")
