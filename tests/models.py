@@ -96,7 +96,10 @@ def muon_adamw(model, lr: float = 1e-2):
             continue
         (hidden if p.ndim == 2 and "wte" not in n and "wpe" not in n else rest).append(p)
     return [torch.optim.Muon(hidden, lr=lr * 2, momentum=0.9, weight_decay=0.01),
-            torch.optim.AdamW(rest, lr=lr, weight_decay=0.01)]
+            # eps above its 1e-8 default: GPT-2's key bias has an exactly-zero true gradient, whose
+            # rounding noise Adam would otherwise normalise into steps that differ between any
+            # two summation orders (one process vs N ranks) by more than fp32 tolerances.
+            torch.optim.AdamW(rest, lr=lr, weight_decay=0.01, eps=1e-6)]
 
 
 def muon_orthogonalise_in_fp32() -> None:

@@ -125,6 +125,7 @@ def zero_run(rank, ws, job):
     engine = zero_strategy.initialize(model, opt, cfg)
     losses = []
     for batch in batches:
+        engine.reset_comm_report()
         chunks = batch.view(ws, accum, micro, -1)
         local = 0.0
         for j in range(accum):
@@ -141,6 +142,8 @@ def zero_run(rank, ws, job):
     sd = engine.full_state_dict()
     if job.get("with_report"):
         return losses, sd, engine.memory_report()
+    if job.get("with_comm"):  # the last step's communication, by kind
+        return losses, sd, engine.comm_report().as_dict(), engine.memory_report()
     return losses, sd
 
 

@@ -16,7 +16,8 @@ from .materialize import init_context, keep_meta_on_moves
 from .guard import PartitionedParameterError
 from .comm import CollectiveError
 from .fingerprint import SetupMismatchError
-from .checkpoint import CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_state_dict
+from .checkpoint import (CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_optimizer_states,
+                         load_consolidated_state_dict)
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,11 @@ __version__ = "0.1.0"
 def initialize(model, optimizer=None, config=None, process_group=None, *, device=None, pretrained=None,
                sync_module_states=True) -> ZeroEngine:
     """Shard ``model`` in place and re-point ``optimizer`` at this rank's shards.
+
+    ``optimizer`` is one torch optimizer, a list of them (``[muon, adamw]``: each keeps
+    its param groups, schedulers and state; ``engine.step()`` steps all, and
+    ``engine.optimizers[k]`` is each one's ZeroOptimizer), or None.  An optimizer that
+    is not element-wise (Adafactor, Muon, LAMB, ...) is given whole parameters.
 
     ``model`` stays the same object of the same class; run it as before.  ``config`` is
     a :class:`ZeroConfig`, a dict of its fields, or a path to a json/yaml file.
@@ -74,6 +80,7 @@ __all__ = [
     "CheckpointError",
     "consolidate",
     "load_consolidated_optimizer_state",
+    "load_consolidated_optimizer_states",
     "load_consolidated_state_dict",
     "__version__",
 ]

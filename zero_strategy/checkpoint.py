@@ -65,10 +65,11 @@ MANIFEST = files.MANIFEST
 CLIENT_STATE = "client_state.pt"
 SHARED = "shared.safetensors"
 CONFIG = "config.json"
-_KEY = re.compile(r"^unit(\d+)\.(value|optim\.(.+)|optim_scalar\.(.+)|optim_present)$")
+_KEY = re.compile(r"^unit(\d+)\.(value|optim\.(.+)|optim_scalar\.(.+)|optim_present|whole_present|whole(\d+)\.(.+))$")
 
 __all__ = ["CheckpointError", "CheckpointReader", "FORMAT_VERSION", "consolidate", "load_checkpoint",
-           "load_client_state", "load_consolidated_optimizer_state", "load_consolidated_state_dict", "save_checkpoint"]
+           "load_client_state", "load_consolidated_optimizer_state", "load_consolidated_optimizer_states",
+           "load_consolidated_state_dict", "save_checkpoint"]
 
 
 def _rank_file(d: Path, r: int, ext: str) -> Path:
@@ -107,23 +108,36 @@ def _manifest(engine, units: list, tensors: list, checkpoint_id: str, table: dic
     from . import __version__
 
     cfg = engine.config
-    groups = []
-    if engine.inner_optimizer is not None:
-        for g in engine.inner_optimizer.param_groups:
-            groups.append({k: v for k, v in g.items() if k != "params" and _jsonable(v)})
+    saved = [_optimizer_entry(engine, k) for k in range(len(engine.inner_optimizers))]
+    # One optimizer: "optimizer" (as every earlier version wrote it); several: "optimizers".
+    optimizers = dict(optimizer=saved[0] if saved else None) if len(saved) <= 1 else dict(optimizer=None, optimizers=saved)
     return dict(
         format=FORMAT, format_version=FORMAT_VERSION, library_version=__version__, checkpoint_id=checkpoint_id,
         world_size=engine.comm.world_size, stage=engine.policies.stage.stage, precision=cfg.precision, config=cfg.to_dict(),
         model_class=type(engine.module).__name__, tensors=tensors, units=units,
         buffers=_persistent_buffer_names(engine.module),
-        optimizer=None if engine.inner_optimizer is None else dict(
-            cls=type(engine.inner_optimizer).__name__, param_groups=groups,
-            # Each optimizer parameter's first name, in the order the user gave them (None:
-            # not partitioned by ZeRO), so the state can be consolidated in torch's format.
-            param_names=[[None if place is None else _unit_of(engine, place[0]).names[place[1]][0] for place in group]
-                         for group in engine.optimizer_param_places]),
+        **optimizers,
         loss_scaler=engine.scaler.state_dict(), step=engine.global_step, checksum="crc32", files=table,
     )
+
+
+def _optimizer_entry(engine, k: int) -> dict:
+    opt = engine.inner_optimizers[k]
+    return dict(
+        cls=type(opt).__name__,
+        param_groups=[{key: v for key, v in g.items() if key != "params" and _jsonable(v)} for g in opt.param_groups],
+        # Each optimizer parameter's first name, in the order the user gave them (None:
+        # not partitioned by ZeRO), so the state can be consolidated in torch's format.
+        param_names=[[None if place is None else _unit_of(engine, place[0]).names[place[1]][0] for place in group]
+                     for group in engine.param_places_of(k)],
+    )
+
+
+def saved_optimizers(manifest: dict) -> Optional[List[dict]]:
+    """The manifest's optimizer entries, one per optimizer (None: saved without one)."""
+    if manifest.get("optimizers") is not None:
+        return manifest["optimizers"]
+    return None if manifest.get("optimizer") is None else [manifest["optimizer"]]
 
 
 def _unit_of(engine, index: int):
@@ -152,12 +166,16 @@ def _rank_payload(engine) -> Tuple[Dict[str, torch.Tensor], dict]:
     ``optim_present`` says which parameters have state (one never stepped has none)."""
     tensors: Dict[str, torch.Tensor] = {}
     extra: dict = {"optimizer_scalars": {}}
-    state = engine.inner_optimizer.state if engine.inner_optimizer is not None else {}
     for u in engine.units:
         tensors[f"unit{u.index}.value"] = u.params_store.local_values().detach().float().cpu()
-        if not u.trainable:
+        if not u.trainable or not engine.inner_optimizers:
             continue
+        opt = engine.inner_optimizers[u.optimizer_index]
+        state = opt.state
         n = len(u.params)
+        if u.whole_params is not None:
+            _whole_payload(u, state, tensors, extra)
+            continue
         present = torch.zeros(n, dtype=torch.uint8)
         elements: Dict[str, torch.Tensor] = {}
         scalars: Dict[str, torch.Tensor] = {}
@@ -178,7 +196,7 @@ def _rank_payload(engine) -> Tuple[Dict[str, torch.Tensor], dict]:
                     raise CheckpointError(
                         f"optimizer state {key!r} of {u.names[i][0]} has shape {tuple(v.shape)}: neither one value per "
                         f"element (shape {tuple(t.shape)}) nor a scalar, so it cannot be sharded and resharded; "
-                        f"{type(engine.inner_optimizer).__name__} is not supported by sharded checkpoints"
+                        f"{type(opt).__name__} is not supported by sharded checkpoints"
                     )
                 else:
                     extra["optimizer_scalars"][f"{u.index}.{i}.{key}"] = v
@@ -191,6 +209,24 @@ def _rank_payload(engine) -> Tuple[Dict[str, torch.Tensor], dict]:
     if torch.cuda.is_available():
         extra["rng_cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return tensors, extra
+
+
+def _whole_payload(u, state, tensors: Dict[str, torch.Tensor], extra: dict) -> None:
+    """A whole-parameter optimizer's state ([Note: whole-parameter optimizers] in
+    whole_params.py): each owner writes its parameters' state whole, any shape, as
+    ``unit<u>.whole<i>.<key>``; ``whole_present`` marks the positions it owns with state."""
+    present = torch.zeros(len(u.params), dtype=torch.uint8)
+    for t, i in zip(u.optim_params, u.optim_positions):
+        st = state.get(t, {})
+        if not st:
+            continue
+        present[i] = 1
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"unit{u.index}.whole{i}.{key}"] = v.detach().cpu().contiguous()
+            else:
+                extra["optimizer_scalars"][f"{u.index}.{i}.{key}"] = v
+    tensors[f"unit{u.index}.whole_present"] = present
 
 
 def _header_identity(kind: str, identity: dict) -> Dict[str, str]:
@@ -437,8 +473,12 @@ class CheckpointReader:
                 raise CheckpointError(f"{path} holds {key!r}, which the manifest's units do not explain")
             index = int(match.group(1))
             shape = _shape(f, key, path)
-            per_param = key.endswith(".optim_present") or (match.group(4) is not None and self.version >= 3)
-            if per_param:
+            per_param = (key.endswith(".optim_present") or key.endswith(".whole_present")
+                         or (match.group(4) is not None and self.version >= 3))
+            if match.group(5) is not None:  # whole state: any shape, of a parameter the unit holds
+                if int(match.group(5)) >= self.params_in_unit.get(index, 0):
+                    raise CheckpointError(f"{path} holds {key!r}, but unit {index} has {self.params_in_unit.get(index, 0)} parameters")
+            elif per_param:
                 if shape != [self.params_in_unit.get(index, 0)]:
                     raise CheckpointError(
                         f"{path}: {key} has shape {shape} but unit {index} holds {self.params_in_unit.get(index, 0)} parameters"
@@ -500,6 +540,33 @@ class CheckpointReader:
             return f.get_slice(key)[lo:hi]
         except Exception as e:  # noqa: BLE001
             raise CheckpointError(f"{path}: cannot read {key}[{lo}:{hi}] ({e})") from None
+
+    def rank_tensor(self, rank: int, key: str) -> torch.Tensor:
+        """One whole tensor of rank ``rank``'s file."""
+        path = _rank_file(self.directory, rank, "safetensors")
+        try:
+            return self._open(path).get_tensor(key)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path}: cannot read {key} ({e})") from None
+
+    def whole_owner(self, unit: int, pos: int) -> Optional[int]:
+        """The rank whose file holds the whole optimizer state of position ``pos`` of
+        ``unit`` (saved by a whole-parameter optimizer), or None (no state)."""
+        for r in range(self.world):
+            key = f"unit{unit}.whole_present"
+            if not self.has_key(r, key):
+                continue
+            cache = self.__dict__.setdefault("_present", {})
+            if (r, unit) not in cache:
+                cache[(r, unit)] = self.rank_tensor(r, key).tolist()
+            flags = cache[(r, unit)]
+            if pos < len(flags) and flags[pos]:
+                return r
+        return None
+
+    def stored_whole(self, unit: int) -> bool:
+        """Whether ``unit``'s optimizer state was saved whole per parameter."""
+        return self.has_key(0, f"unit{unit}.whole_present")
 
     def has_key(self, rank: int, key: str) -> bool:
         return key in self._keys(rank)
@@ -697,11 +764,14 @@ def _plan_load(engine, path: Path, allow_reshard: bool, weights_only) -> _Plan:
             for n in entry["names"]:
                 by_name[n] = entry
         _check_model_matches(engine, reader, by_name)
-        opt = engine.inner_optimizer
-        old_optimizer = m.get("optimizer")
-        restore_optimizer = opt is not None and old_optimizer is not None
-        if restore_optimizer and old_optimizer["cls"] != type(opt).__name__:
-            raise CheckpointError(f"{reader.directory} holds {old_optimizer['cls']} state but the optimizer is {type(opt).__name__}")
+        opts = engine.inner_optimizers
+        old = saved_optimizers(m)
+        restore_optimizer = bool(opts) and old is not None
+        if restore_optimizer:
+            saved_classes, classes = [o["cls"] for o in old], [type(o).__name__ for o in opts]
+            if saved_classes != classes:
+                raise CheckpointError(f"{reader.directory} holds the state of {' + '.join(saved_classes)} but the engine's "
+                                      f"optimizers are {' + '.join(classes)}")
         rank_json = functools.lru_cache(maxsize=None)(reader.rank_json)
         if restore_optimizer:
             rank_json(0)  # validated now, before the engine is touched
@@ -715,7 +785,6 @@ def _plan_load(engine, path: Path, allow_reshard: bool, weights_only) -> _Plan:
 
 def _apply(engine, plan: _Plan) -> None:
     reader, by_name, m = plan.reader, plan.by_name, plan.reader.manifest
-    opt = engine.inner_optimizer
     restore_optimizer = plan.restore_optimizer
     for u in engine.units:
         store = u.params_store
@@ -724,10 +793,15 @@ def _apply(engine, plan: _Plan) -> None:
             if owned is not None:
                 store.write(i, _read_tensor_range(reader, by_name[names[0]], *owned).to(u.device), start=owned[0])
         if restore_optimizer and u.trainable:
+            opt = engine.inner_optimizers[u.optimizer_index]
             lo = u.layout.shard_range(u.shard_index)[0]
-            for t, (i, s_start, length) in zip(u.optim_params, u.optim_slices):
-                t_start = lo + s_start - u.layout.offsets[i]
-                st = _saved_param_state(reader, by_name[u.names[i][0]], t_start, length, t, plan.rank_json)
+            if u.whole_params is not None:
+                wanted = [(t, i, 0, u.layout.numels[i]) for t, i in zip(u.optim_params, u.optim_positions)]
+            else:
+                wanted = [(t, i, lo + s_start - u.layout.offsets[i], length)
+                          for t, (i, s_start, length) in zip(u.optim_params, u.optim_slices)]
+            for t, i, t_start, length in wanted:
+                st = _saved_state(reader, by_name[u.names[i][0]], t_start, length, t, plan.rank_json)
                 if st:
                     opt.state[t] = st
                 else:  # never stepped when saved: no state, as torch would have
@@ -740,10 +814,11 @@ def _apply(engine, plan: _Plan) -> None:
             if n in buffers:
                 buffers[n].copy_(reader.shared(f"buffer.{n}"))
     if restore_optimizer:
-        for group, saved in zip(opt.param_groups, m["optimizer"]["param_groups"]):
-            # JSON has no tuples: give a tuple-valued hyperparameter (Adam's betas) its type back.
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
-                          for k, v in saved.items()})
+        for opt, entry in zip(engine.inner_optimizers, saved_optimizers(m)):
+            for group, saved in zip(opt.param_groups, entry["param_groups"]):
+                # JSON has no tuples: give a tuple-valued hyperparameter (Adam's betas) its type back.
+                group.update({k: tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v
+                              for k, v in saved.items()})
     engine.scaler.load_state_dict(m["loss_scaler"])  # validated with the manifest
     engine.global_step = m["step"]
     engine.zero_grad()
@@ -807,6 +882,49 @@ def _check_model_matches(engine, reader, by_name: Dict[str, dict]) -> None:
         )
 
 
+def _saved_state(reader, entry: dict, t_start: int, length: int, like, rank_json) -> dict:
+    """The saved optimizer state of elements ``[t_start, t_start+length)`` of one
+    parameter, shaped like ``like``, from either form it was saved in: per-element
+    pieces in the flat shard space, or whole on the parameter's owner
+    ([Note: whole-parameter optimizers] in whole_params.py).  A whole form is taken
+    as it is when the whole parameter is wanted, else sliced (per-element state only)."""
+    old_unit = entry["unit"]
+    if old_unit is None or not reader.stored_whole(old_unit):
+        return _saved_param_state(reader, entry, t_start, length, like, rank_json)
+    st = _saved_whole_state(reader, entry, rank_json)
+    numel = _numel(entry["shape"])
+    if not st or (t_start == 0 and length == numel):
+        return {k: (v.to(like.device) if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+    out = {}
+    for key, v in st.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            if list(v.shape) != list(entry["shape"]):
+                raise CheckpointError(
+                    f"{reader.directory}: the optimizer state {key!r} of {entry['names'][0]} was saved whole (shape "
+                    f"{list(v.shape)}) by a whole-parameter optimizer and cannot be split into this run's per-element "
+                    "pieces; load it with the same ZeroConfig.elementwise_optimizers as when it was saved"
+                )
+            v = v.reshape(-1)[t_start : t_start + length].view(like.shape).to(like.device)
+        out[key] = v
+    return out
+
+
+def _saved_whole_state(reader, entry: dict, rank_json) -> dict:
+    """A parameter's whole optimizer state from the rank file of its owner ({}: none)."""
+    old_unit, pos = entry["unit"], reader.position[id(entry)]
+    rank = reader.whole_owner(old_unit, pos)
+    if rank is None:
+        return {}
+    st = {}
+    for key in reader.keys_with_prefix(rank, f"unit{old_unit}.whole{pos}."):
+        st[key] = reader.rank_tensor(rank, f"unit{old_unit}.whole{pos}.{key}").clone()
+    prefix = f"{old_unit}.{pos}."
+    for k, v in rank_json(rank).get("optimizer_scalars", {}).items():
+        if k.startswith(prefix):
+            st[k[len(prefix):]] = v
+    return st
+
+
 def _saved_param_state(reader, entry: dict, t_start: int, length: int, like: torch.Tensor, rank_json) -> dict:
     """The saved optimizer state of elements ``[t_start, t_start+length)`` of one
     parameter, shaped like ``like`` (the optimizer tensor it is for); {} when the
@@ -858,40 +976,66 @@ def load_consolidated_state_dict(directory, dtype: Optional[torch.dtype] = None)
     return out
 
 
-def load_consolidated_optimizer_state(directory) -> Optional[dict]:
+def load_consolidated_optimizer_state(directory, optimizer: Optional[int] = None) -> Optional[dict]:
     """The optimizer state of a checkpoint in torch's own format, as the optimizer held it
     without ZeRO: ``{"state": {index: {...}}, "param_groups": [{..., "params": [...]}]}``,
     indices counting the parameters in the order they were given to the optimizer,
-    per-element state whole and shaped like its parameter, no entry for a parameter that
+    state whole and shaped as the optimizer keeps it, no entry for a parameter that
     had none (frozen, never stepped).  What a DDP run's ``optimizer.state_dict()`` is, so
     it loads into a plain optimizer; ``engine.load_full_optimizer_state_dict`` takes it too.
+    A checkpoint of several optimizers needs ``optimizer`` (the index) to say whose.
     None when the checkpoint has no optimizer state or was saved before the parameter
     order was recorded.  Needs no process group; every file is verified first."""
     reader = CheckpointReader(directory)
     try:
         reader.verify()
-        saved = reader.manifest.get("optimizer")
-        if not saved or "param_names" not in saved:
+        saved = saved_optimizers(reader.manifest)
+        if saved is None:
             return None
-        by_name = {n: e for e in reader.manifest["tensors"] for n in e["names"]}
-        rank_json = functools.lru_cache(maxsize=None)(reader.rank_json)
-        state, groups, index = {}, [], 0
-        for names, group in zip(saved["param_names"], saved["param_groups"]):
-            ids = []
-            for name in names:
-                entry = by_name.get(name) if name is not None else None
-                if entry is not None:
-                    like = SimpleNamespace(shape=tuple(entry["shape"]), device=torch.device("cpu"))
-                    st = _saved_param_state(reader, entry, 0, _numel(entry["shape"]), like, rank_json)
-                    if st:
-                        state[index] = {k: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
-                                        for k, v in st.items()}
-                ids.append(index)
-                index += 1
-            groups.append({**group, "params": ids})
-        return {"state": state, "param_groups": groups}
+        if optimizer is None:
+            if len(saved) > 1:
+                raise ValueError(f"{reader.directory} holds {len(saved)} optimizers' state: pass optimizer=k, or use "
+                                 "load_consolidated_optimizer_states")
+            optimizer = 0
+        if not 0 <= optimizer < len(saved):
+            raise ValueError(f"optimizer={optimizer}: {reader.directory} holds {len(saved)} optimizer(s)' state")
+        return _consolidated_optimizer(reader, saved[optimizer])
     finally:
         reader.close()
+
+
+def load_consolidated_optimizer_states(directory) -> Optional[List[Optional[dict]]]:
+    """:func:`load_consolidated_optimizer_state` of every optimizer in the checkpoint, in
+    the engine's order (None when it holds no optimizer state)."""
+    reader = CheckpointReader(directory)
+    try:
+        reader.verify()
+        saved = saved_optimizers(reader.manifest)
+        return None if saved is None else [_consolidated_optimizer(reader, entry) for entry in saved]
+    finally:
+        reader.close()
+
+
+def _consolidated_optimizer(reader, saved: dict) -> Optional[dict]:
+    if "param_names" not in saved:
+        return None
+    by_name = {n: e for e in reader.manifest["tensors"] for n in e["names"]}
+    rank_json = functools.lru_cache(maxsize=None)(reader.rank_json)
+    state, groups, index = {}, [], 0
+    for names, group in zip(saved["param_names"], saved["param_groups"]):
+        ids = []
+        for name in names:
+            entry = by_name.get(name) if name is not None else None
+            if entry is not None:
+                like = SimpleNamespace(shape=tuple(entry["shape"]), device=torch.device("cpu"))
+                st = _saved_state(reader, entry, 0, _numel(entry["shape"]), like, rank_json)
+                if st:
+                    state[index] = {k: (v.to("cpu", copy=True) if isinstance(v, torch.Tensor) else v)
+                                    for k, v in st.items()}
+            ids.append(index)
+            index += 1
+        groups.append({**group, "params": ids})
+    return {"state": state, "param_groups": groups}
 
 
 def _refuse_overlap(requested: Path, checkpoint: Path, out: Path) -> None:

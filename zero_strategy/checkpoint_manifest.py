@@ -177,17 +177,11 @@ def validate(m: Any, path: Path) -> None:
         c.str(b, f"buffers[{i}]")
     opt = m.get("optimizer")
     if opt is not None:
-        c.dict(opt, "optimizer")
-        c.str(c.key(opt, "cls", "optimizer"), "optimizer.cls")
-        if "param_names" in opt:
-            names = c.list(opt["param_names"], "optimizer.param_names")
-            if len(names) != len(opt.get("param_groups") or []) or not all(
-                    isinstance(g, list) and all(n is None or isinstance(n, str) for n in g) for g in names):
-                c.fail("optimizer.param_names must hold one list of parameter names (or null) per param group")
-        for i, g in enumerate(c.list(c.key(opt, "param_groups", "optimizer"), "optimizer.param_groups")):
-            c.dict(g, f"optimizer.param_groups[{i}]")
-            if "params" in g:
-                c.fail(f"optimizer.param_groups[{i}] must not name 'params'")
+        _check_optimizer(c, opt, "optimizer")
+    several = m.get("optimizers")
+    if several is not None:
+        for k, opt in enumerate(c.list(several, "optimizers")):
+            _check_optimizer(c, opt, f"optimizers[{k}]")
 
     if version >= 2:
         cid = c.str(c.key(m, "checkpoint_id", top), "checkpoint_id")
@@ -206,6 +200,20 @@ def validate(m: Any, path: Path) -> None:
         for name in rank_file_names(world) + ["shared.safetensors"]:
             if name not in files:
                 c.fail(f"files has no entry for {name}")
+
+
+def _check_optimizer(c: "_Check", opt, where: str) -> None:
+    c.dict(opt, where)
+    c.str(c.key(opt, "cls", where), f"{where}.cls")
+    if "param_names" in opt:
+        names = c.list(opt["param_names"], f"{where}.param_names")
+        if len(names) != len(opt.get("param_groups") or []) or not all(
+                isinstance(g, list) and all(n is None or isinstance(n, str) for n in g) for g in names):
+            c.fail(f"{where}.param_names must hold one list of parameter names (or null) per param group")
+    for i, g in enumerate(c.list(c.key(opt, "param_groups", where), f"{where}.param_groups")):
+        c.dict(g, f"{where}.param_groups[{i}]")
+        if "params" in g:
+            c.fail(f"{where}.param_groups[{i}] must not name 'params'")
 
 
 def _dtype(c: _Check, v, what: str) -> None:

@@ -917,22 +917,24 @@ class ZeroEngine:
         load_full_state_dict(self, state_dict, strict=strict)
         self._keep.refresh(self.units)
 
-    def full_optimizer_state_dict(self, rank0_only: bool = True) -> dict:
+    def full_optimizer_state_dict(self, rank0_only: bool = True, optimizer=None) -> dict:
         """Collective.  The optimizer state as the user's optimizer would hold it without
         ZeRO (torch's format, whole tensors, the user's parameter order), on rank 0 (or
-        every rank): what DDP saves, see [Note: torch-format optimizer state] in state.py."""
+        every rank): what DDP saves, see [Note: torch-format optimizer state] in state.py.
+        With several optimizers, ``optimizer`` (an index, or the optimizer) says whose."""
         self._check_open()
         from .state import full_optimizer_state_dict
 
-        return full_optimizer_state_dict(self, rank0_only=rank0_only)
+        return full_optimizer_state_dict(self, rank0_only=rank0_only, optimizer=optimizer)
 
-    def load_full_optimizer_state_dict(self, state_dict: dict) -> None:
+    def load_full_optimizer_state_dict(self, state_dict: dict, optimizer=None) -> None:
         """Load a torch-format optimizer state dict (ours, or a plain / DDP optimizer's
-        for the same parameters); every rank passes the same one."""
+        for the same parameters); every rank passes the same one.  With several
+        optimizers, ``optimizer`` (an index, or the optimizer) says whose it is."""
         self._check_open()
         from .state import load_full_optimizer_state_dict
 
-        load_full_optimizer_state_dict(self, state_dict)
+        load_full_optimizer_state_dict(self, state_dict, optimizer=optimizer)
         self._settle_disk()
 
     def state_dict(self) -> dict:

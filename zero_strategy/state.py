@@ -92,7 +92,9 @@ def rank_state_dict(engine) -> dict:
         ],
         "untouched": {n: p.detach().cpu().clone() for n, p in engine.untouched.items()},
         "buffers": {n: b.detach().cpu().clone() for n, b in engine.module.named_buffers()},
-        "optimizer": None if engine.inner_optimizer is None else _snapshot(engine.inner_optimizer.state_dict()),
+        # One optimizer: its state dict; several: a list of them, in the engine's order.
+        "optimizer": (None if not engine.inner_optimizers else _snapshot(engine.inner_optimizers[0].state_dict())
+                      if len(engine.inner_optimizers) == 1 else [_snapshot(o.state_dict()) for o in engine.inner_optimizers]),
         "loss_scaler": engine.scaler.state_dict(),
         "step": engine.global_step,
     }
@@ -132,8 +134,14 @@ def load_rank_state_dict(engine, sd: dict) -> None:
         for n, b in sd["buffers"].items():
             if n in buffers:
                 buffers[n].copy_(b)
-    if engine.inner_optimizer is not None and sd["optimizer"] is not None:
-        _load_optimizer_keeping_group_dicts(engine.inner_optimizer, sd["optimizer"])
+    saved = sd["optimizer"]
+    if engine.inner_optimizers and saved is not None:
+        saved = saved if isinstance(saved, list) else [saved]
+        if len(saved) != len(engine.inner_optimizers):
+            raise ValueError(f"rank state holds {len(saved)} optimizer state(s), the engine has "
+                             f"{len(engine.inner_optimizers)} optimizer(s)")
+        for opt, osd in zip(engine.inner_optimizers, saved):
+            _load_optimizer_keeping_group_dicts(opt, osd)
     engine.scaler.load_state_dict(sd["loss_scaler"])
     engine.global_step = sd["step"]
     for u in engine.units:
@@ -167,11 +175,31 @@ def _load_optimizer_keeping_group_dicts(optimizer, sd: dict) -> None:
 # torch.  Memory: one unit's per-element state of one key at a time is gathered.
 
 
-def _piece_states(engine) -> Dict[tuple, tuple]:
-    """(unit, position) -> (that piece's optimizer tensor, its state) on this rank."""
-    opt = engine.inner_optimizer
+def optimizer_index(engine, optimizer) -> int:
+    """Which of the engine's optimizers ``optimizer`` names: an index, the user's
+    optimizer or its ZeroOptimizer; None only when the engine has exactly one."""
+    count = len(engine.inner_optimizers)
+    if count == 0:
+        raise RuntimeError("this engine has no optimizer: initialize was called with optimizer=None")
+    if optimizer is None:
+        if count > 1:
+            raise ValueError(f"this engine has {count} optimizers: pass optimizer=k (or the optimizer itself) to say which")
+        return 0
+    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+        if not 0 <= optimizer < count:
+            raise ValueError(f"optimizer={optimizer}: this engine has {count} optimizer(s)")
+        return optimizer
+    return engine.optimizer_index(optimizer)
+
+
+def _piece_states(engine, k: int) -> Dict[tuple, tuple]:
+    """(unit, position) -> (that piece's optimizer tensor, its state) on this rank, for
+    optimizer ``k``'s element-wise units."""
+    opt = engine.inner_optimizers[k]
     out = {}
-    for u in engine.trainable_units:
+    for u in engine.units_of(k):
+        if u.whole_params is not None:
+            continue
         for t, (i, _, _) in zip(u.optim_params, u.optim_slices):
             st = opt.state.get(t)
             if st:
@@ -183,23 +211,46 @@ def _is_elementwise(v, like_shape) -> bool:
     return isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == tuple(like_shape)
 
 
-def full_optimizer_state_dict(engine, rank0_only: bool = True) -> dict:
-    """Collective.  The optimizer state in torch's format (see the note above); with
+def _cpu_copy(v):
+    return v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+
+
+def _whole_states(engine, k: int) -> Dict[tuple, dict]:
+    """(unit, position) -> whole state of every parameter of optimizer ``k``'s
+    whole-parameter units, from its owner ([Note: whole-parameter optimizers]).
+    Collective: one object gather per unit, so one unit's state is in flight at a time."""
+    opt = engine.inner_optimizers[k]
+    out: Dict[tuple, dict] = {}
+    for u in engine.units_of(k):
+        if u.whole_params is None:
+            continue
+        mine = {}
+        for t, i in zip(u.optim_params, u.optim_positions):
+            st = opt.state.get(t)
+            if st:
+                mine[i] = {key: _cpu_copy(v) for key, v in st.items()}
+        for part in engine.comm.all_gather_object(mine, f"the optimizer state of {u.label}"):
+            for i, st in part.items():
+                out[(u.index, i)] = st
+    return out
+
+
+def full_optimizer_state_dict(engine, rank0_only: bool = True, optimizer=None) -> dict:
+    """Collective.  The state of one optimizer (``optimizer``: its index or itself;
+    may be left out when there is one) in torch's format (see the note above); with
     ``rank0_only`` the other ranks return {}."""
-    opt = engine.inner_optimizer
-    if opt is None:
-        raise RuntimeError("full_optimizer_state_dict needs an optimizer: initialize was called with optimizer=None")
+    k = optimizer_index(engine, optimizer)
+    opt = engine.inner_optimizers[k]
     comm = engine.comm
     keep = comm.rank == 0 or not rank0_only
-    pieces = _piece_states(engine)
+    pieces = _piece_states(engine, k)
     # Which parameters have state, its per-element keys, and its scalar values: agreed
     # from every rank (a rank that holds no piece of a parameter does not know).
     mine = {}
     for place, (t, st) in pieces.items():
         mine[place] = {
-            "elements": sorted((k, str(v.dtype)) for k, v in st.items() if _is_elementwise(v, t.shape)),
-            "scalars": {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                        for k, v in st.items() if not _is_elementwise(v, t.shape)},
+            "elements": sorted((key, str(v.dtype)) for key, v in st.items() if _is_elementwise(v, t.shape)),
+            "scalars": {key: _cpu_copy(v) for key, v in st.items() if not _is_elementwise(v, t.shape)},
         }
     known: Dict[tuple, dict] = {}
     for part in comm.all_gather_object(mine, "which parameters have optimizer state"):
@@ -207,7 +258,9 @@ def full_optimizer_state_dict(engine, rank0_only: bool = True) -> dict:
             known.setdefault(place, info)
     # Per-element state, one unit and key at a time.
     whole: Dict[tuple, dict] = {}
-    for u in engine.trainable_units:
+    for u in engine.units_of(k):
+        if u.whole_params is not None:
+            continue
         keys = sorted({e for (ui, _), info in known.items() if ui == u.index for e in info["elements"]})
         for key, dtype_name in keys:
             dtype = getattr(torch, dtype_name.replace("torch.", ""))
@@ -227,35 +280,39 @@ def full_optimizer_state_dict(engine, rank0_only: bool = True) -> dict:
                     if (u.index, i) in known and (key, dtype_name) in known[(u.index, i)]["elements"]:
                         whole.setdefault((u.index, i), {})[key] = u.param_view(full, i).to("cpu", copy=True)
             del full, local
+    owned_whole = _whole_states(engine, k)
     if not keep:
         return {}
     state, groups, index = {}, [], 0
-    for gi, places in enumerate(engine.optimizer_param_places):
+    for gi, places in enumerate(engine.param_places_of(k)):
         ids = []
         for place in places:
             if place is not None and place in known:
                 entry = dict(known[place]["scalars"])
                 entry.update(whole.get(place, {}))
                 state[index] = entry
+            elif place is not None and place in owned_whole:
+                state[index] = owned_whole[place]
             ids.append(index)
             index += 1
-        group = {k: v for k, v in opt.param_groups[gi].items() if k != "params"}
+        group = {key: v for key, v in opt.param_groups[gi].items() if key != "params"}
         group["params"] = ids
         groups.append(group)
     return {"state": state, "param_groups": groups}
 
 
-def load_full_optimizer_state_dict(engine, osd: dict) -> None:
+def load_full_optimizer_state_dict(engine, osd: dict, optimizer=None) -> None:
     """Every rank passes the same torch-format optimizer state dict (from
     :func:`full_optimizer_state_dict`, or a plain torch/DDP optimizer's ``state_dict()``
-    for the same parameters in the same order); each rank keeps its pieces.
-    Hyperparameters in ``param_groups`` are loaded into the live group dicts."""
-    opt = engine.inner_optimizer
-    if opt is None:
-        raise RuntimeError("load_full_optimizer_state_dict needs an optimizer: initialize was called with optimizer=None")
+    for the same parameters in the same order) for one optimizer (``optimizer``: its
+    index or itself; may be left out when there is one); each rank keeps its pieces
+    (whole-parameter optimizers: the parameters it owns).  Hyperparameters in
+    ``param_groups`` are loaded into the live group dicts."""
+    k = optimizer_index(engine, optimizer)
+    opt = engine.inner_optimizers[k]
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise ValueError("load_full_optimizer_state_dict expects a torch optimizer state dict ({'state': ..., 'param_groups': ...})")
-    places = engine.optimizer_param_places
+    places = engine.param_places_of(k)
     saved_groups = osd["param_groups"]
     if len(saved_groups) != len(places) or any(len(g["params"]) != len(p) for g, p in zip(saved_groups, places)):
         raise ValueError(
@@ -268,7 +325,7 @@ def load_full_optimizer_state_dict(engine, osd: dict) -> None:
     for g, group_places in zip(saved_groups, places):
         for idx, place in zip(g["params"], group_places):
             where[idx] = place
-    for t_list in (u.optim_params for u in engine.trainable_units):
+    for t_list in (u.optim_params for u in engine.units_of(k)):
         for t in t_list:
             opt.state.pop(t, None)
     for idx, entry in osd["state"].items():
@@ -278,6 +335,13 @@ def load_full_optimizer_state_dict(engine, osd: dict) -> None:
         u = units[place[0]]
         i = place[1]
         shape = u.shapes[i]
+        if u.whole_params is not None:  # the owner keeps the parameter's state whole
+            for t, j in zip(u.optim_params, u.optim_positions):
+                if j == i:
+                    opt.state[t] = {key: (v.detach().to(t.device, copy=True) if isinstance(v, torch.Tensor) and v.dim() > 0
+                                          else v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                                    for key, v in entry.items()}
+            continue
         lo = u.layout.shard_range(u.shard_index)[0]
         for t, (j, s_start, length) in zip(u.optim_params, u.optim_slices):
             if j != i:
