@@ -31,7 +31,7 @@ STAGES = ((0, 64, None), (1, 64, None), (2, 64, None), (3, 0, ("GPT2Attention", 
 BF16_UPDATE_TOL = {"adafactor": 5e-2, "trust_ratio": 5e-2, "muon+adamw": 2e-1}
 
 
-def _jobs(ws):
+def _jobs(ws, nvme_path):
     jobs = []
     for optim in OPTIMIZERS:
         for stage, persist, units in STAGES:
@@ -41,6 +41,11 @@ def _jobs(ws):
                 jobs.append(dict(stage=stage, persist=persist, precision=precision, world_size=ws, accum=2, steps=3,
                                  optim=optim, bucket=3000, with_comm=True, expect_cut=stage > 0 and (stage < 3 or units),
                                  config={"unit_modules": units, "min_gather_numel": 0} if units else {}))
+        # The host step: optimizer state offloaded to CPU memory, and to files.
+        cut = {"unit_modules": ("GPT2Attention", "GPT2MLP"), "min_gather_numel": 0}
+        for stage, offload in ((3, {"offload_optimizer": "cpu"}), (2, {"offload_optimizer": "nvme", "nvme_path": nvme_path})):
+            jobs.append(dict(stage=stage, persist=0, precision="fp32", world_size=ws, accum=2, steps=3, optim=optim,
+                             bucket=3000, with_comm=True, expect_cut=True, config={**cut, **offload}))
     return jobs
 
 
@@ -52,8 +57,8 @@ def _worker(rank, ws, jobs):
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["ws2", "ws3"])
-def results(request):
-    jobs = _jobs(request.param)
+def results(request, tmp_path_factory):
+    jobs = _jobs(request.param, str(tmp_path_factory.mktemp("nvme")))
     return list(zip(jobs, run_distributed(_worker, request.param, jobs)[0]))
 
 

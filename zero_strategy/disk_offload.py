@@ -352,6 +352,10 @@ class DiskOffload:
         parameter) into the unit's state files, replacing the state dict's entries."""
         if self.error is not None:
             return
+        if unit.whole_params is not None:
+            # A whole-parameter optimizer's state is whole on each owner, in its own shapes
+            # (not one value per shard element): it stays in host memory.
+            return
         n = unit.layout.shard_numel
         flats: Dict[str, torch.Tensor] = {r.path.name: r.tensor for r in self.regions.get(unit.index, ()) if r.kind == "state"}
         for t, (_, s_start, length) in zip(unit.optim_params, unit.optim_slices):
