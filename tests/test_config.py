@@ -36,6 +36,8 @@ EXPECTED_DEFAULTS = {
     "gradient_clipping": 0.0,
     "offload_optimizer": "none",
     "offload_param": "none",
+    "host_optimizer_step": "fused",
+    "elementwise_optimizers": (),
     "nvme_path": None,
     "nvme_inflight_bytes": 256 * 2**20,
     "activation_checkpointing": (),

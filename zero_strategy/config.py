@@ -474,6 +474,7 @@ class ZeroConfig:
         result["unit_modules"] = list(self.unit_modules)  # yaml.safe_dump rejects tuples
         result["activation_checkpointing"] = list(self.activation_checkpointing)
         result["keep_gathered_methods"] = list(self.keep_gathered_methods)
+        result["elementwise_optimizers"] = list(self.elementwise_optimizers)
         return result
 
     @classmethod
