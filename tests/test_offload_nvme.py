@@ -194,7 +194,10 @@ def _jobs(ws, root):
     """fp32 with disk offload beside the same run in memory (bit-equal), bf16 with disk
     offload (against the reference); stage 3 with every parameter partitioned, with the
     16-bit shards on disk too.  World size 1 runs a subset (same code, no collectives)."""
-    disk = dict(offload_optimizer="nvme", nvme_path=root, nvme_inflight_bytes=20_000)  # below one unit: one at a time
+    # The optimizer's own step over per-piece views, as in memory: bit-equality is about the
+    # files; the fused host kernel (the default, rounding differently) is tests/test_host_step.py's.
+    disk = dict(offload_optimizer="nvme", nvme_path=root, nvme_inflight_bytes=20_000,  # below one unit: one at a time
+                host_optimizer_step="optimizer")
     params = dict(disk, offload_param="nvme", nvme_inflight_bytes=256 * 2**20)
     jobs = []
     for stage in ((1, 2, 3) if ws > 1 else (2, 3)):
