@@ -329,15 +329,31 @@ def optimizer_order(engine) -> dict:
     """``{OPTIMIZER_NAMES: {"params": [[name, ...] per group], "param_groups": [...]}}``: the
     name of every parameter in the optimizer's order (None for one ZeRO holds no optimizer
     state for) and each group's hyper-parameters as Python has them (the manifest's JSON
-    turns tuples such as Adam's betas into lists); {} without an optimizer."""
-    if engine.inner_optimizer is None:
+    turns tuples such as Adam's betas into lists); {} without an optimizer.  With several
+    optimizers: ``{OPTIMIZER_NAMES: {"optimizers": [that dict per optimizer]}}``."""
+    count = len(engine.inner_optimizers)
+    if count == 0:
         return {}
+    orders = [_order_of(engine, k) for k in range(count)]
+    return {OPTIMIZER_NAMES: orders[0] if count == 1 else {"optimizers": orders}}
+
+
+def recorded_orders(names) -> list:
+    """:func:`optimizer_order`'s record read back: one entry per optimizer (an empty
+    list when nothing was recorded)."""
+    if not isinstance(names, dict):
+        return []
+    return list(names["optimizers"]) if "optimizers" in names else [names]
+
+
+def _order_of(engine, k: int) -> dict:
     units = {u.index: u for u in engine.units}
     names = []
-    for places in engine.optimizer_param_places:
+    for places in engine.param_places_of(k):
         names.append([None if place is None else units[place[0]].names[place[1]][0] for place in places])
-    groups = [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in engine.inner_optimizer.param_groups]
-    return {OPTIMIZER_NAMES: {"params": names, "param_groups": groups}}
+    groups = [{key: v for key, v in g.items() if key != "params" and _plain(v)}
+              for g in engine.inner_optimizers[k].param_groups]
+    return {"params": names, "param_groups": groups}
 
 
 def _plain(value) -> bool:

@@ -90,4 +90,4 @@ def _load_optimizer(strategy, optimizer, optimizer_state: dict) -> None:
     if engine is None:
         optimizer.load_state_dict(optimizer_state)
     else:
-        engine.load_full_optimizer_state_dict(optimizer_state)
+        engine.load_full_optimizer_state_dict(optimizer_state, optimizer=strategy._index_in(engine, optimizer))

@@ -3,8 +3,8 @@
     python -m zero_strategy.integrations.lightning.consolidate CKPT_DIR OUT.ckpt
 
 The output holds the consolidated weights under ``state_dict`` (original names, dtypes
-and the module's key order), the optimizer state under ``optimizer_states`` in torch's
-format (whole tensors, indexed in the user's parameter order: what ddp's optimizer
+and the module's key order), the optimizer state under ``optimizer_states`` (one entry
+per optimizer, in ``configure_optimizers``' order) in torch's format (whole tensors, indexed in the user's parameter order: what ddp's optimizer
 saves), plus everything else Lightning saved (hyper-parameters, loops, callbacks, LR
 schedulers).  So ``MyModule.load_from_checkpoint("OUT.ckpt")``, ``trainer.test(model,
 ckpt_path="OUT.ckpt")`` and resuming ``trainer.fit(model, ckpt_path="OUT.ckpt")`` work with
@@ -47,15 +47,17 @@ def consolidate_checkpoint(checkpoint_dir, output_file: Optional[str] = None, *,
     names = checkpoint.pop(OPTIMIZER_NAMES, None)
     checkpoint["state_dict"] = _compact(_in_order(load_consolidated_state_dict(directory), order))
     checkpoint.pop("optimizer_states", None)
-    optimizer_state = _optimizer_state(directory, names)
+    optimizer_states = _optimizer_states(directory, names)
     objects = checkpoint.pop(OBJECTS_KEY, None)
     if isinstance(objects, dict) and objects.get("module"):
         # fabric.save: the layout ddp's fabric.save writes, each object under its own key
+        # (the keys are recorded in the engine's optimizer order)
         checkpoint[objects["module"]] = checkpoint.pop("state_dict")
-        if optimizer_state is not None and objects.get("optimizers"):
-            checkpoint[objects["optimizers"][0]] = optimizer_state
-    elif optimizer_state is not None:
-        checkpoint["optimizer_states"] = [optimizer_state]
+        for key, state in zip(objects.get("optimizers") or [], optimizer_states or []):
+            if key is not None and state is not None:
+                checkpoint[key] = state
+    elif optimizer_states:
+        checkpoint["optimizer_states"] = optimizer_states
     if output_file is not None:
         out = Path(output_file)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -87,21 +89,26 @@ def _compact(state_dict: dict) -> dict:
     return out
 
 
-def _optimizer_state(directory: Path, names) -> Optional[dict]:
-    """The optimizer state in torch's format (the core's
-    :func:`zero_strategy.checkpoint.load_consolidated_optimizer_state`), with the
-    param-group hyperparameters as the strategy recorded them at save time (Python
-    types, e.g. Adam's betas as a tuple, which the manifest's JSON cannot keep)."""
-    from zero_strategy.checkpoint import load_consolidated_optimizer_state
+def _optimizer_states(directory: Path, names) -> Optional[list]:
+    """Each optimizer's state in torch's format (the core's
+    :func:`zero_strategy.checkpoint.load_consolidated_optimizer_states`), in the order
+    Lightning holds the optimizers, with the param-group hyperparameters as the strategy
+    recorded them at save time (Python types, e.g. Adam's betas as a tuple, which the
+    manifest's JSON cannot keep).  None without optimizer state."""
+    from zero_strategy.checkpoint import load_consolidated_optimizer_states
 
-    state = load_consolidated_optimizer_state(directory)
-    if state is None:
+    from ._common import recorded_orders
+
+    states = load_consolidated_optimizer_states(directory)
+    if not states or any(state is None for state in states):
         return None
-    recorded = names.get("param_groups") if isinstance(names, dict) else None
-    if recorded:
-        state["param_groups"] = [{**group, **hyper, "params": group["params"]}
-                                 for group, hyper in zip(state["param_groups"], recorded)]
-    return state
+    orders = recorded_orders(names)
+    for state, order in zip(states, orders):
+        recorded = order.get("param_groups")
+        if recorded:
+            state["param_groups"] = [{**group, **hyper, "params": group["params"]}
+                                     for group, hyper in zip(state["param_groups"], recorded)]
+    return states
 
 
 def main(argv=None) -> int:

@@ -185,10 +185,14 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         )
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        if len(optimizers) != 1:
-            raise ValueError(f"ZeroFabricStrategy sets up one module with exactly one optimizer, got {len(optimizers)}")
-        engine = self._remember(initialize_engine(module, optimizers[0], self._config(), device=self.root_device))
-        return module, [engine.optimizer], scheduler
+        """``fabric.setup(model, opt)`` or ``fabric.setup(model, opt_a, opt_b, ...)``: one
+        engine for the module, stepping each optimizer's parameters."""
+        if not optimizers:
+            raise ValueError("ZeroFabricStrategy.setup_module_and_optimizers needs at least one optimizer")
+        optimizers = list(optimizers)
+        engine = self._remember(initialize_engine(module, optimizers[0] if len(optimizers) == 1 else optimizers,
+                                                  self._config(), device=self.root_device))
+        return module, list(engine.optimizers), scheduler
 
     def setup_module(self, module):
         """Evaluation only (no optimizer): the module is partitioned for inference."""
@@ -261,11 +265,15 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         key, engine = self._module_entry(state)
         client: Dict[str, Any] = {_OBJECTS_KEY: {"module": key, "optimizers": []},
                                   STATE_DICT_KEYS: state_dict_keys(engine.module), **optimizer_order(engine)}
+        # The key of each optimizer in the engine's order (None: not in the saved state).
+        client[_OBJECTS_KEY]["optimizers"] = [None] * len(engine.optimizers)
         for k, v in state.items():
             if isinstance(v, nn.Module):
                 continue
             if isinstance(v, torch.optim.Optimizer):
-                client[_OBJECTS_KEY]["optimizers"].append(k)
+                index = self._index_in(engine, v)
+                if index is not None:
+                    client[_OBJECTS_KEY]["optimizers"][index] = k
             elif isinstance(v, _Stateful):
                 client[k] = v.state_dict()
             else:
@@ -319,10 +327,19 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
 
     def _engine_of_optimizer(self, optimizer):
         """The engine whose ZeroOptimizer ``optimizer`` is (None: not set up)."""
-        inner = getattr(optimizer, "optimizer", None)  # _FabricOptimizer -> ZeroOptimizer
         for engine in self._engines:
-            if engine.optimizer is not None and (engine.optimizer is optimizer or engine.optimizer is inner):
+            if self._index_in(engine, optimizer) is not None:
                 return engine
+        return None
+
+    @staticmethod
+    def _index_in(engine, optimizer) -> Optional[int]:
+        """Which of ``engine``'s optimizers ``optimizer`` is (a _FabricOptimizer, the
+        ZeroOptimizer or the user's optimizer), None if none."""
+        inner = getattr(optimizer, "optimizer", None)  # _FabricOptimizer -> ZeroOptimizer
+        for k, (zero, user) in enumerate(zip(engine.optimizers, engine.inner_optimizers)):
+            if optimizer is zero or optimizer is user or (inner is not None and inner is zero):
+                return k
         return None
 
     def get_optimizer_state(self, optimizer) -> dict:

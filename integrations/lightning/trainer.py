@@ -125,7 +125,10 @@ class ZeroPrecision(Precision):
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         closure_result = closure()
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks + clipping
-        self._engine().step()  # False after an fp16 overflow: skipped on every rank
+        engine = self._engine()
+        # With several optimizers (manual optimization) only this one steps: its part of
+        # the engine's step round.  False after an fp16 overflow: skipped on every rank.
+        engine.step(None if len(engine.optimizers) == 1 else engine.optimizer_index(optimizer))
         return closure_result
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
@@ -255,10 +258,11 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
             # configure_optimizers sees the module's own parameters (whole, or the
             # same objects still partitioned by an earlier engine).
             self.setup_optimizers(trainer)
-            optimizer = self._single_optimizer()
-            self._engine = initialize_engine(module, optimizer, config, device=self.root_device)
+            optimizers = self._user_optimizers()
+            self._engine = initialize_engine(module, optimizers[0] if len(optimizers) == 1 else optimizers, config,
+                                             device=self.root_device)
             rank_zero_info(setup_line(self._engine))
-            self.optimizers = [self._engine.optimizer]
+            self.optimizers = list(self._engine.optimizers)
             self._guard_schedulers(module)
         else:
             existing = engine_of(module)
@@ -284,16 +288,13 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
                 "LightningModule itself back (convert its submodules in place)"
             )
 
-    def _single_optimizer(self):
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"ZeroStrategy needs exactly one optimizer from configure_optimizers (with as many param groups "
-                f"as you like), got {len(self.optimizers)}"
-            )
-        optimizer = self.optimizers[0]
-        if type(optimizer).__name__ == "_MockOptimizer":
+    def _user_optimizers(self) -> list:
+        """configure_optimizers' optimizers: one engine steps them all (several need manual
+        optimization, which Lightning itself enforces, as under ddp)."""
+        optimizers = list(self.optimizers)
+        if not optimizers or any(type(o).__name__ == "_MockOptimizer" for o in optimizers):
             raise ValueError("ZeroStrategy needs an optimizer to fit: configure_optimizers returned none")
-        return optimizer
+        return optimizers
 
     def _guard_schedulers(self, module) -> None:
         """Skip step-interval LR schedulers after a step the engine skipped (fp16 overflow).
@@ -306,10 +307,10 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         if not step_ids or not self._engine.config.uses_loss_scaling:
             return
         original = module.lr_scheduler_step
-        zero_optimizer = self._engine.optimizer
+        engine = self._engine
 
         def lr_scheduler_step(scheduler, metric=None):
-            if id(scheduler) in step_ids and zero_optimizer.step_was_skipped:
+            if id(scheduler) in step_ids and engine.last_step_skipped:
                 return None
             return original(scheduler, metric)
 
@@ -375,9 +376,9 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         what ddp's optimizer holds) on rank 0, ``{}`` on the other ranks, as FSDP's full
         optimizer state.  Collective.  Inside ``trainer.save_checkpoint`` it is ``{}``: the
         optimizer shards are in the checkpoint directory."""
-        if self._engine is None or self._engine.optimizer is None or _inside_checkpoint_dump():
+        if self._engine is None or not self._engine.optimizers or _inside_checkpoint_dump():
             return {}
-        return self._engine.full_optimizer_state_dict(rank0_only=True)
+        return self._engine.full_optimizer_state_dict(rank0_only=True, optimizer=optimizer)
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """All ranks: write a checkpoint *directory* at ``filepath`` (per-rank shards,
@@ -414,13 +415,15 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         refuse_file_inside_checkpoint(path)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         states = checkpoint.get("optimizer_states")
-        if states and self._engine is not None and self._engine.optimizer is not None:
-            if len(states) != 1:
+        if states and self._engine is not None and self._engine.optimizers:
+            count = len(self._engine.optimizers)
+            if len(states) != count:
                 raise RuntimeError(
-                    f"ZeroStrategy has 1 optimizer but the checkpoint contains {len(states)} optimizers to load "
-                    f"({path})"
+                    f"ZeroStrategy has {count} optimizer(s) but the checkpoint contains {len(states)} optimizers to "
+                    f"load ({path})"
                 )
-            self._engine.load_full_optimizer_state_dict(states[0])
+            for k, state in enumerate(states):
+                self._engine.load_full_optimizer_state_dict(state, optimizer=k)
         return checkpoint
 
     def remove_checkpoint(self, filepath) -> None:
