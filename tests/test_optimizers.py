@@ -180,8 +180,9 @@ def test_parameter_in_two_optimizers_or_in_none_is_a_clear_error():
 def test_two_optimizers_in_one_process_equal_plain_torch():
     """One process: Muon + AdamW through the engine (stage 3, every parameter
     partitioned; each optimizer stepped on its own, as Lightning's manual optimization
-    does) against the same pair on an untouched copy; the torch-format state of each
-    optimizer equals the plain optimizer's."""
+    does, once with a.zero_grad() between the two steps) against the same pair on an
+    untouched copy; the torch-format state of each optimizer equals the plain
+    optimizer's.  A backward between the two steps is an error."""
     import copy
 
     import zero_strategy
@@ -194,11 +195,13 @@ def test_two_optimizers_in_one_process_equal_plain_torch():
     engine = zero_strategy.initialize(model, opts, dict(stage=3, param_persistence_threshold=0))
     with pytest.raises(RuntimeError, match="engine.optimizer is ambiguous: this engine has 2 optimizers"):
         engine.optimizer
-    for ids in lm_batches(3, 4):
+    for i, ids in enumerate(lm_batches(3, 4)):
         engine.backward(model(input_ids=ids, labels=ids).loss)
         engine.optimizers[0].step()
         with pytest.raises(RuntimeError, match="already stepped"):
             engine.optimizers[0].step()
+        if i == 1:  # a.step(); a.zero_grad(); b.step(): b still steps on its gradients, as under DDP
+            engine.optimizers[0].zero_grad()
         engine.optimizers[1].step()  # ends the round
         ref(input_ids=ids, labels=ids).loss.backward()
         for o in ref_opts:
@@ -217,6 +220,13 @@ def test_two_optimizers_in_one_process_equal_plain_torch():
                 torch.testing.assert_close(torch.as_tensor(mine["state"][i][key]), torch.as_tensor(v), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="pass optimizer=k"):
         engine.full_optimizer_state_dict()
+    # A backward while the round is half done would add new gradients to the ones
+    # optimizer 1 has not stepped on yet: an error naming it.
+    ids = lm_batches(1, 4)[0]
+    engine.backward(model(input_ids=ids, labels=ids).loss)
+    engine.optimizers[0].step()
+    with pytest.raises(RuntimeError, match=r"while a step was half done: optimizer\(s\) 1 \(AdamW\) have not stepped"):
+        engine.backward(model(input_ids=ids, labels=ids).loss)
     engine.close()
 
 

@@ -349,6 +349,15 @@ class ZeroEngine:
         self.reducer.on_grad_ready(unit, self._backward_synced)
 
     def _begin_backward(self) -> None:
+        if self._stepped:
+            waiting = [f"{k} ({type(self.inner_optimizers[k]).__name__})" for k in range(len(self.optimizers))
+                       if k not in self._stepped]
+            raise RuntimeError(
+                f"a backward reached the model while a step was half done: optimizer(s) {', '.join(waiting)} have not "
+                "stepped on the gradients the others stepped on. Step every optimizer, or call zero_grad() on one that "
+                "should skip this step (or engine.zero_grad()), before the next backward; optimizers stepped at "
+                "different rates over accumulated gradients are not supported"
+            )
         if self._synced and self.phase in (Phase.REDUCED, Phase.GRADS_READY) and self._reduced_by_sync:
             raise RuntimeError(
                 "a second backward reached the model since the last step() outside no_sync(): its "
@@ -755,6 +764,16 @@ class ZeroEngine:
         for bucket in buckets:
             for w in self.comm.all_gather_kept(bucket):
                 w.wait()
+
+    def zero_grad_of(self, k: int) -> None:
+        """``engine.optimizers[k].zero_grad()``.  With several optimizers, once optimizer
+        ``k`` has stepped in a round its gradients are spent and the round's end clears
+        them (with everyone else's): nothing to do now, so ``a.step(); a.zero_grad();
+        b.step()`` steps ``b`` on its gradients as under DDP.  Otherwise every gradient is
+        cleared and the round ends, as :meth:`zero_grad`."""
+        if len(self.optimizers) > 1 and self._stepped and k in self._stepped:
+            return
+        self.zero_grad()
 
     def zero_grad(self) -> None:
         """Clear every gradient; ends a step round in progress ([Note: step rounds])."""

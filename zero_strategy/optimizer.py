@@ -104,8 +104,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every gradient of the engine (its units hold them for all optimizers)
-        and ends the step round."""
-        self._engine.zero_grad()
+        and ends the step round; with several optimizers, after this one stepped in the
+        round, nothing is left to clear until the round ends (``ZeroEngine.zero_grad_of``)."""
+        self._engine.zero_grad_of(self._index)
 
     def state_dict(self) -> dict:
         """This rank's optimizer state over its shards (see ``ZeroEngine.state_dict``)."""

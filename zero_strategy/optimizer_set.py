@@ -15,6 +15,10 @@ ends when every optimizer has stepped or at ``zero_grad()``.  The gradient reduc
 the fp16 overflow check and ``gradient_clipping`` belong to the round, so clipping is
 by the global norm over every optimizer's parameters (DeepSpeed's and DDP's
 ``clip_grad_norm_(model.parameters())`` meaning), and an overflow skips the round.
+``optimizers[k].zero_grad()`` after ``k`` stepped leaves the others' gradients for their
+steps (``a.step(); a.zero_grad(); b.step()`` works as under DDP); a backward while a
+round is half done is an error naming the optimizers that have not stepped (stepping
+optimizers at different rates over accumulated gradients is not supported).
 """
 from __future__ import annotations
 
