@@ -8,11 +8,12 @@ state, ...) to Accelerate unchanged:
 ============================  ==========================================================
 Accelerator method            with zero_config
 ============================  ==========================================================
-``prepare``                   a model and the optimizer over its parameters become one
-                              :class:`~zero_strategy.ZeroEngine` (the model is sharded
+``prepare``                   a model and the optimizer(s) over its parameters become
+                              one :class:`~zero_strategy.ZeroEngine` (the model is sharded
                               in place and returned as the same object, not wrapped in
-                              DDP); the optimizer comes back as an AcceleratedOptimizer
-                              over the engine's ``ZeroOptimizer``.  A frozen model, or
+                              DDP); each optimizer comes back as an AcceleratedOptimizer
+                              over its ``ZeroOptimizer`` (several, e.g. Muon + AdamW, in
+                              the prepare call that first passes the model with one).  A frozen model, or
                               one prepared with ``evaluation_mode=True``, gets an engine
                               of its own without an optimizer; several models each have
                               their engine, in one process group.  A trainable model
@@ -75,9 +76,10 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     engine's ``ZeroOptimizer``; built without Accelerate's state-dict round trip, which
     has no meaning for a sharded optimizer."""
 
-    def __init__(self, engine) -> None:
-        super().__init__(engine.optimizer, device_placement=False, scaler=None)
+    def __init__(self, engine, index: int = 0) -> None:
+        super().__init__(engine.optimizers[index], device_placement=False, scaler=None)
         self.engine = engine
+        self.index = index  # which of the engine's optimizers
 
     @property
     def step_was_skipped(self) -> bool:
@@ -120,7 +122,7 @@ class ZeroAccelerator(Accelerator):
         self.native_amp = self.zero_config.autocast
         self.scaler = None
         self._zero_engines: list = []  # every engine this Accelerator built, in order (their checkpoint folders follow it)
-        self._zero_optimizer_wrappers = {}  # id(engine) -> its ZeroAcceleratedOptimizer
+        self._zero_optimizer_wrappers = {}  # (id(engine), k) -> the ZeroAcceleratedOptimizer of its optimizer k
         self._zero_overrides = weakref.WeakKeyDictionary()  # model -> ZeroConfig fields set by set_zero_config
         self._zero_pending: List[torch.nn.Module] = []  # training models still without their optimizer
         self._zero_guards = {}
@@ -139,7 +141,7 @@ class ZeroAccelerator(Accelerator):
     def zero_engine(self):
         """The first trained model's engine (else the first engine; None before any)."""
         engines = self.zero_engines
-        return next((e for e in engines if e.optimizer is not None), engines[0] if engines else None)
+        return next((e for e in engines if e.optimizers), engines[0] if engines else None)
 
     def zero_engine_for(self, model):
         if model is None:
@@ -166,7 +168,7 @@ class ZeroAccelerator(Accelerator):
         return self.zero_config if not overrides else self.zero_config.replace(**overrides)
 
     def _zero_trained_engines(self) -> list:
-        return [e for e in self.zero_engines if e.optimizer is not None]
+        return [e for e in self.zero_engines if e.optimizers]
 
     @contextlib.contextmanager
     def _zero_hidden(self):
@@ -184,17 +186,31 @@ class ZeroAccelerator(Accelerator):
         placements = device_placement if device_placement is not None else [None] * len(args)
         models = [(a, d) for a, d in zip(args, placements) if isinstance(a, torch.nn.Module)]
         models += [(m, None) for m in self._zero_pending if all(m is not a for a, _ in models)]
+        # The new optimizers of each model, in the order given: one engine steps them all
+        # (accelerator.prepare(model, muon, adamw)).
+        per_model = {}
         for opt in args:
             if isinstance(opt, torch.optim.Optimizer) and not isinstance(opt, AcceleratedOptimizer):
-                self._zero_start(opt, models)
+                if self._zero_engine_of_optimizer(opt) is None:
+                    model, placement = self._zero_owner(opt, models)
+                    per_model.setdefault(id(model), (model, placement, []))[2].append(opt)
+        for model, placement, optimizers in per_model.values():
+            self._zero_start(optimizers, model, placement)
         return super().prepare(*args, device_placement=device_placement)
 
     def _zero_engine_of_optimizer(self, optimizer):
-        return next((e for e in self.zero_engines if e.optimizer is not None and optimizer in (e.inner_optimizer, e.optimizer)), None)
+        return next((e for e in self.zero_engines if self._zero_index_of(e, optimizer) is not None), None)
 
-    def _zero_start(self, optimizer, models) -> None:
-        if self._zero_engine_of_optimizer(optimizer) is not None:
-            return
+    @staticmethod
+    def _zero_index_of(engine, optimizer):
+        """Which of ``engine``'s optimizers ``optimizer`` is (the user's or the ZeroOptimizer), or None."""
+        for k, (inner, outer) in enumerate(zip(engine.inner_optimizers, engine.optimizers)):
+            if optimizer is inner or optimizer is outer:
+                return k
+        return None
+
+    @staticmethod
+    def _zero_owner(optimizer, models):
         wanted = {id(p) for group in optimizer.param_groups for p in group["params"]}
         owner = next(
             ((m, d) for m, d in models if wanted <= {id(p) for p in m.parameters()}), None
@@ -205,20 +221,22 @@ class ZeroAccelerator(Accelerator):
                 "parameters do not all belong to one model passed to accelerator.prepare (in this call or "
                 "an earlier one). Prepare the model and the optimizer built over its parameters."
             )
-        model, placement = owner
+        return owner
+
+    def _zero_start(self, optimizers, model, placement) -> None:
         running = self.zero_engine_for(model)
-        if running is not None and running.optimizer is None:
+        if running is not None and not running.optimizers:
             # Prepared for evaluation first (the Trainer's evaluate() before train() does
             # this): the evaluation engine hands the model back whole, in its own dtypes,
             # and the training engine takes it from there.
             running.close(unshard=True)
         elif running is not None:
             raise ValueError(
-                f"zero_config: this {type(model).__name__} already runs on a ZeroEngine with another optimizer; one "
-                "engine per model: give one optimizer all of its parameters (several param groups), in the prepare "
-                "call that first passes the model"
+                f"zero_config: this {type(model).__name__} already runs on a ZeroEngine with its optimizer(s); one "
+                "engine per model, built with every optimizer of the model: pass them all in the prepare call that "
+                "first passes the model with an optimizer (accelerator.prepare(model, opt_a, opt_b))"
             )
-        self._zero_build(model, optimizer, placement)
+        self._zero_build(model, optimizers[0] if len(optimizers) == 1 else optimizers, placement)
         guard = self._zero_guards.pop(id(model), None)
         if guard is not None:
             guard.remove()
@@ -346,9 +364,10 @@ class ZeroAccelerator(Accelerator):
     def prepare_optimizer(self, optimizer, device_placement=None):
         engine = self._zero_engine_of_optimizer(optimizer)
         if engine is not None:
-            wrapper = self._zero_optimizer_wrappers.get(id(engine))
+            index = self._zero_index_of(engine, optimizer)
+            wrapper = self._zero_optimizer_wrappers.get((id(engine), index))
             if wrapper is None or wrapper.engine is not engine:
-                wrapper = self._zero_optimizer_wrappers[id(engine)] = ZeroAcceleratedOptimizer(engine)
+                wrapper = self._zero_optimizer_wrappers[(id(engine), index)] = ZeroAcceleratedOptimizer(engine, index)
             if wrapper not in self._optimizers:
                 self._optimizers.append(wrapper)
             return wrapper
