@@ -46,6 +46,9 @@ class ClmRuns:
         self.launcher = Launcher(root)
         self.launcher.env["HF_DATASETS_CACHE"] = str(root / "datasets_cache")
         self.launcher.configs["zero3_init"] = _write_config(root / "zero3_init.yaml", 3, "  zero3_init_flag: true\n")
+        # Adafactor declared element-wise: handed 1-D pieces of the flat shards (the old behaviour)
+        self.launcher.configs["zero2_pieces"] = _write_config(root / "zero2_pieces.yaml", 2,
+                                                              "  elementwise_optimizers: [Adafactor]\n")
         assets = root / "assets"
         assets.mkdir()
         self.corpus = write_text(assets / "train.txt")
@@ -64,12 +67,13 @@ class ClmRuns:
             self.cache[name] = (out, proc.stdout + proc.stderr)
         return self.cache[name]
 
-    def trainer(self, config):
-        """run_clm.py: (output folder, launch output)."""
-        return self._launch(f"run_clm_{config}", config, RUN_CLM, [
+    def trainer(self, config, optim=None):
+        """run_clm.py (with the Trainer's ``--optim`` when given): (output folder, launch output)."""
+        extra = ["--optim", optim] if optim else []
+        return self._launch(f"run_clm_{config}" + (f"_{optim}" if optim else ""), config, RUN_CLM, [
             "--model_name_or_path", str(self.model), "--train_file", str(self.corpus), "--do_train",
             "--per_device_train_batch_size", "2", "--max_steps", str(STEPS), "--logging_steps", "1",
-            "--save_strategy", "no", "--report_to", "none", *COMMON], last_file="README.md")  # the model card
+            "--save_strategy", "no", "--report_to", "none", *COMMON, *extra], last_file="README.md")  # the model card
 
     def no_trainer(self, config):
         """run_clm_no_trainer.py: (output folder, launch output)."""
@@ -118,6 +122,30 @@ def test_run_clm_trainer_losses_match_ddp(runs, config, stage):
     assert len(set(ref_losses)) == STEPS  # every step changes the loss
     assert _close(losses, ref_losses, rtol=1e-5), (losses, ref_losses)
     assert _close(norms, ref_norms, rtol=1e-4), (norms, ref_norms)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, stage", [("zero2", 2), ("zero3", 3)])
+def test_run_clm_trainer_with_adafactor_matches_ddp(runs, config, stage):
+    """``--optim adafactor`` (transformers' Adafactor, factored over the 2-D weights):
+    a whole-parameter optimizer, so the engine gives it whole parameters; the losses and
+    gradient norms of every step and the saved model equal the DDP launch's."""
+    ref_out, _ = runs.trainer("ddp", optim="adafactor")
+    out, text = runs.trainer(config, optim="adafactor")
+    assert _says_zero(text, stage)
+    ref_steps, ref_losses, ref_norms = _trainer_log(ref_out)
+    steps, losses, norms = _trainer_log(out)
+    assert ref_steps == steps == list(range(1, STEPS + 1))
+    assert len(set(ref_losses)) == STEPS
+    assert _close(losses, ref_losses, rtol=1e-5), (losses, ref_losses)
+    assert _close(norms, ref_norms, rtol=1e-4), (norms, ref_norms)
+    if config == "zero2":
+        # The comparison can fail: the same launch with Adafactor declared element-wise
+        # (zero_config elementwise_optimizers) factors nothing and drifts from DDP.
+        pieces_out, _ = runs.trainer("zero2_pieces", optim="adafactor")
+        _, pieces_losses, _ = _trainer_log(pieces_out)
+        assert pieces_losses[0] == pytest.approx(ref_losses[0], rel=1e-5)  # before any step
+        assert not _close(pieces_losses, ref_losses, rtol=1e-4), (pieces_losses, ref_losses)  # 10x the tolerance above
 
 
 @pytest.mark.slow
