@@ -158,3 +158,17 @@ def test_phase_times_reports_both_phases_for_every_system(precision):
     for r in rows:
         fb, st = map(float, r[2:4])
         assert fb > 0 and st > 0, r
+
+
+def test_host_step_benchmark_times_the_fused_path(tmp_path):
+    """bench_host_step's first table on the smallest model: every system runs (the fused
+    row would raise if fused_host_step declined the unit, timing nothing)."""
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_host_step.py"), "--sizes", "25m", "--repeats", "1",
+                           "--skip-engine"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 25m |")]
+    names = [r.split("|")[4].strip() for r in rows]
+    assert names[:3] == ["optimizer over views (before: host_optimizer_step=optimizer)", "foreach over views",
+                         "fused flat runs (host_step.py, the default)"], names
+    for r in rows:
+        assert float(r.split("|")[5]) > 0 and float(r.split("|")[6]) > 0, r
