@@ -164,9 +164,6 @@ def _misuse_worker(rank, ws):
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # made after initialize
         engine.backward(model(_batch(rank, 0)))
         out[f"inner_step_{stage}"] = _timed(lambda: opt.step())
-        if stage == 2:  # the user's zero_grad() does not end the step either: the next backward says so
-            opt.zero_grad()
-            out["inner_zero_grad"] = _timed(lambda: engine.backward(model(_batch(rank, 1))))
         stepped = engine.step()  # the engine's own call goes through
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
@@ -251,8 +248,6 @@ def test_misuse_that_gave_silent_wrong_numbers_is_an_error_or_made_right_on_ever
             assert max_diff < 1e-6, (stage, max_diff)
             _check(out, f"clip_subset_{stage}", "RuntimeError", "was given 2 of the 8 trainable parameters",
                    "call engine.clip_grad_norm_")
-        _check(out, "inner_zero_grad", "RuntimeError", "a second backward reached the model",
-               "call engine.step() or engine.zero_grad() between the backward passes")
         assert out["clip_fp16"] == pytest.approx(out["ref_norms"][0], rel=2e-2)  # unscaled
 
         results, warned_early, skips, seconds = out["skips"]

@@ -83,8 +83,9 @@ def _optimizer_states_close(got, ref, what):
 
 @pytest.mark.slow
 def test_trainer_muon_adamw_manual_optimization_matches_ddp(tmp_path):
-    """Muon + AdamW from configure_optimizers, manual optimization with one LR scheduler
-    each: zero1, zero2 and zero3 (every parameter
+    """Muon + AdamW from configure_optimizers, manual optimization with gradient
+    accumulation 2 written as Lightning documents it (two manual_backward calls, no
+    no_sync) and one LR scheduler each: zero1, zero2 and zero3 (every parameter
     partitioned) against ddp, fp32 within 1e-5: per-step losses, final weights, both
     optimizers' state (strategy.optimizer_state), then trainer.save_checkpoint, a resumed
     fit from the directory, and the consolidated file (two optimizer_states entries,
@@ -93,7 +94,7 @@ def test_trainer_muon_adamw_manual_optimization_matches_ddp(tmp_path):
     ref = {r: _load(tmp_path, "ddp", r) for r in (0, 1)}
     ddp_weights = _torch_load(tmp_path / "ddp.weights.pt")
     ddp_states = _torch_load(tmp_path / "ddp.optim.pt")
-    assert len(ref[0]["losses"]) == 4 and ref[0]["muon_steps"] == 4 and ref[0]["adamw_steps"] == 4
+    assert len(ref[0]["losses"]) == 8 and ref[0]["muon_steps"] == 4 and ref[0]["adamw_steps"] == 4
     init = _torch_load(tmp_path / "init.pt")
     assert any((ddp_weights[k] - init[k]).abs().max() > 1e-3 for k in init), "training did not move the weights"
     for s in STRATEGIES[1:]:
@@ -205,14 +206,17 @@ def scenario_trainer(out):
             x, y = batch
             loss = F.mse_loss(self(x), y)
             self.losses.append(float(loss.detach()))
-            for opt in self.optimizers():
-                opt.zero_grad()
-            self.manual_backward(loss)
-            for k, (opt, sched) in enumerate(zip(self.optimizers(), self.lr_schedulers())):
-                opt.step()
-                sched.step()
-                self.steps[k] += 1
-            self.lrs.append([opt.param_groups[0]["lr"] for opt in self.optimizers()])
+            # Gradient accumulation over 2 micro-batches as Lightning documents it for manual
+            # optimization: a backward per batch, no no_sync, a step every second batch.
+            self.manual_backward(loss / 2)
+            if batch_idx % 2 == 1:
+                for k, (opt, sched) in enumerate(zip(self.optimizers(), self.lr_schedulers())):
+                    opt.step()
+                    sched.step()
+                    self.steps[k] += 1
+                for opt in self.optimizers():
+                    opt.zero_grad()
+                self.lrs.append([opt.param_groups[0]["lr"] for opt in self.optimizers()])
 
         def configure_optimizers(self):
             muon, adamw = _muon_adamw(torch, self.net)
@@ -222,7 +226,7 @@ def scenario_trainer(out):
     def trainer(strategy, **kw):
         opts = dict(accelerator="cpu", devices=2, strategy=_strategy(strategy), max_epochs=1, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                    num_sanity_val_steps=0, limit_train_batches=4)
+                    num_sanity_val_steps=0, limit_train_batches=8)
         return pl.Trainer(**{**opts, **kw})
 
     out = Path(out)

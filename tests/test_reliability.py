@@ -309,9 +309,6 @@ def _misuse_worker(rank, ws, case, folder):
     x = _batch(rank, 0)
     if case == "step_without_backward":
         engine.step()
-    elif case == "backward_twice":
-        engine.backward(model(x))
-        engine.backward(model(x))
     elif case == "backward_twice_in_no_sync":
         with engine.no_sync():
             engine.backward(model(x))
@@ -332,7 +329,6 @@ def _misuse_worker(rank, ws, case, folder):
 
 MISUSE = {
     "step_without_backward": "no backward reached the model since the last step() or zero_grad()",
-    "backward_twice": "a second backward reached the model since the last step() outside no_sync()",
     "use_after_close": "this ZeroEngine was closed",
 }
 

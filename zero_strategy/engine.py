@@ -41,7 +41,7 @@ from .optimizer_kinds import is_elementwise
 from .optimizer_set import OptimizerSet, as_optimizer_list
 from .whole_params import assign_owners
 from .loss_scale import LossScaler
-from .misuse import SkipWatch, engine_steps, guard_misuse
+from .misuse import SkipWatch, engine_steps, guard_misuse, route_module_zero_grad
 from .param_shard import ShardState, whole_values
 from .planner import plan_partitioned_params, plan_replicated_params
 from .policy import Policies
@@ -279,7 +279,7 @@ class ZeroEngine:
             # Last: materialisation and loading above write through the parameters.
             guard_parameters(self.units, on_access=_weak_method(self.gatherer.on_access))
         # generate() and the like run in keep_gathered() ([Note: keep gathered]).
-        self._unwrap_methods = wrap_methods(self, methods)
+        self._unwrap_methods = wrap_methods(self, methods) + [route_module_zero_grad(self)]
         if self.disk_offload is not None:
             self.disk_offload.evict_all()  # the values written above go to disk, out of memory
 
@@ -358,14 +358,6 @@ class ZeroEngine:
                 "should skip this step (or engine.zero_grad()), before the next backward; optimizers stepped at "
                 "different rates over accumulated gradients are not supported"
             )
-        if self._synced and self.phase in (Phase.REDUCED, Phase.GRADS_READY) and self._reduced_by_sync:
-            raise RuntimeError(
-                "a second backward reached the model since the last step() outside no_sync(): its "
-                "gradients would be reduced (and, with ZeRO, partitioned) twice. For gradient "
-                "accumulation run every micro-batch but the last inside `with engine.no_sync():`; "
-                "for several losses, add them and call backward once; otherwise call engine.step() or "
-                "engine.zero_grad() between the backward passes (the optimizer given to initialize does neither)."
-            )
         self._phase_before_backward = self.phase
         self._backward_synced = self._synced
         self._usage_in_flight = None  # this backward may add gradients: agree again
@@ -381,8 +373,6 @@ class ZeroEngine:
         # with autograd (tests observe this).
         reduces = bool(self.trainable_units) and any(GradientReducer.reduces_now(u, synced) for u in self.trainable_units)
         before = self._phase_before_backward
-        if synced:
-            self._reduced_by_sync = True
         if reduces or before in (Phase.REDUCED, Phase.GRADS_READY):
             self.phase = Phase.REDUCED
         else:
@@ -394,7 +384,6 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.end_of_backward()
 
-    _reduced_by_sync = False  # a synchronised backward ran since the last step / zero_grad
     _unwrap_methods = ()  # until __init__ wrapped the keep_gathered_methods
     _phase_before_backward = Phase.IDLE
 
@@ -785,7 +774,6 @@ class ZeroEngine:
         self._usage_in_flight = None
         self._rider = None
         self._step_grad_ops = []
-        self._reduced_by_sync = False
         if self.gatherer is not None:
             self.gatherer.end_of_step()
         if self.phase is not Phase.CLOSED:

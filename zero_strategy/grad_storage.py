@@ -102,8 +102,10 @@ class _PersistentFull(_GradStorage):
         p = self.params[pos]
         view = self._view(self.full, pos)
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            # The grad was re-created (e.g. model.zero_grad(set_to_none=True)): fold it in.
-            view.add_(p.grad)
+            # ``.grad`` is a new tensor: autograd made it out of place (create_graph=True:
+            # the old view's values are in it) or the user set ``.grad = None`` (the old
+            # values are discarded, as without ZeRO).  Either way it is the whole gradient.
+            view.copy_(p.grad)
             p.grad = view
         self.ready.add(pos)
         self.received.add(pos)

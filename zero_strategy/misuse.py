@@ -21,6 +21,13 @@
   a model's gradients together).  Code that bound the function before the first
   ``initialize`` (``from torch.nn.utils import clip_grad_norm_`` at import time) keeps
   torch's; call ``engine.clip_grad_norm_`` there.
+* ``optimizer.zero_grad()`` on the optimizer given to ``initialize``, and
+  ``model.zero_grad()``: the gradients live in the engine's buffers and slices (at
+  stages 2-3 ``.grad`` is None between backward and step), so neither would clear them
+  and the next backward would add to the old ones.  Both are routed to the engine's
+  ``zero_grad`` (:func:`route_module_zero_grad`; the optimizer's to ``zero_grad_of(k)``), so
+  a second backward before ``step()`` accumulates, as under DDP, and a cleared one
+  starts afresh.
 * fp16 steps skipped over and over with no way out (a static ``loss_scale`` that
   overflows, or the dynamic scale stuck at ``min_loss_scale`` with
   ``on_min_loss_scale="skip"``): :class:`SkipWatch` warns after
@@ -48,8 +55,54 @@ _STEPPING = "_zero_strategy_stepping"
 
 # -- the inner optimizer's step ------------------------------------------------------------------
 def guard_inner_optimizer(engine) -> None:
-    for opt in engine.inner_optimizers:
+    for k, opt in enumerate(engine.inner_optimizers):
         _guard_one(engine, opt)
+        _route_zero_grad(engine, opt, k)
+
+
+def _route_zero_grad(engine, opt, k: int) -> None:
+    """The user's optimizer's ``zero_grad()`` clears the engine's gradients (its own
+    tensors, the shards, hold none outside ``engine.step()``), as
+    ``engine.optimizers[k].zero_grad()`` does; once the engine is closed it is the
+    optimizer's own again."""
+    engine_ref = weakref.ref(engine)
+
+    def zero_grad(self, *args, **kwargs):
+        eng = engine_ref()
+        if eng is not None and eng.phase.value != "closed":
+            eng.zero_grad_of(k)
+            return None
+        return type(self).zero_grad(self, *args, **kwargs)
+
+    opt.zero_grad = types.MethodType(zero_grad, opt)
+
+
+def route_module_zero_grad(engine):
+    """``model.zero_grad()`` clears the engine's gradients too: at stages 2-3 ``.grad``
+    is None between backward and step (the reduced slices hold the gradients), so
+    without this the call would clear nothing and the next backward would add to the
+    old gradients.  Returns the function that puts the module's own method back."""
+    module, engine_ref = engine.module, weakref.ref(engine)
+    own = module.__dict__.get("zero_grad")
+
+    def zero_grad(*args, **kwargs):
+        result = (own or type(module).zero_grad.__get__(module))(*args, **kwargs)
+        eng = engine_ref()
+        if eng is not None and eng.phase.value != "closed":
+            eng.zero_grad()
+        return result
+
+    module.__dict__["zero_grad"] = zero_grad
+
+    def undo() -> None:
+        if module.__dict__.get("zero_grad") is not zero_grad:
+            return  # replaced since by someone else: theirs stays
+        if own is not None:
+            module.__dict__["zero_grad"] = own
+        else:
+            del module.__dict__["zero_grad"]
+
+    return undo
 
 
 def _guard_one(engine, opt) -> None:
