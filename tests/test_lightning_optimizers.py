@@ -85,7 +85,8 @@ def _optimizer_states_close(got, ref, what):
 def test_trainer_muon_adamw_manual_optimization_matches_ddp(tmp_path):
     """Muon + AdamW from configure_optimizers, manual optimization with gradient
     accumulation 2 written as Lightning documents it (two manual_backward calls, no
-    no_sync) and one LR scheduler each: zero1, zero2 and zero3 (every parameter
+    no_sync), clip_gradients per optimizer (Muon's by norm, AdamW's by value) and one LR
+    scheduler each: zero1, zero2 and zero3 (every parameter
     partitioned) against ddp, fp32 within 1e-5: per-step losses, final weights, both
     optimizers' state (strategy.optimizer_state), then trainer.save_checkpoint, a resumed
     fit from the directory, and the consolidated file (two optimizer_states entries,
@@ -210,6 +211,10 @@ def scenario_trainer(out):
             # optimization: a backward per batch, no no_sync, a step every second batch.
             self.manual_backward(loss / 2)
             if batch_idx % 2 == 1:
+                muon, adamw = self.optimizers()
+                # Each optimizer's own parameters, as under ddp: by norm, and by value.
+                self.clip_gradients(muon, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+                self.clip_gradients(adamw, gradient_clip_val=2e-3, gradient_clip_algorithm="value")
                 for k, (opt, sched) in enumerate(zip(self.optimizers(), self.lr_schedulers())):
                     opt.step()
                     sched.step()

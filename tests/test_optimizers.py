@@ -230,6 +230,59 @@ def test_two_optimizers_in_one_process_equal_plain_torch():
     engine.close()
 
 
+@pytest.mark.parametrize("routed", [False, True])
+def test_clipping_one_optimizers_parameters_clips_only_those(routed):
+    """With two SGD optimizers, clipping one optimizer's gradients by norm (and the
+    other's by value) equals torch's clipping of exactly those parameters in plain
+    torch; through engine.clip_grad_norm_(optimizer=k) or torch.nn.utils' functions
+    given that optimizer's parameters.  SGD is scale-sensitive, so the global norm
+    would give other numbers (checked)."""
+    import copy
+
+    import zero_strategy
+
+    def split(m):
+        params = list(m.parameters())
+        return params[: len(params) // 2], params[len(params) // 2 :]
+
+    def optimizers(m):
+        a, b = split(m)
+        return [torch.optim.SGD(a, lr=0.5, momentum=0.9), torch.optim.SGD(b, lr=0.5)]
+
+    model = tiny_gpt2()
+    ref, ref_global = copy.deepcopy(model), copy.deepcopy(model)
+    engine = zero_strategy.initialize(model, optimizers(model), dict(stage=3, param_persistence_threshold=0))
+    refs = [(ref, optimizers(ref), False), (ref_global, optimizers(ref_global), True)]
+    norms = []
+    for ids in lm_batches(2, 4):
+        engine.backward(model(input_ids=ids, labels=ids).loss)
+        if routed:
+            a, b = split(model)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(a, 0.05)))
+            torch.nn.utils.clip_grad_value_(b, 1e-3)
+        else:
+            norms.append(float(engine.clip_grad_norm_(0.05, optimizer=0)))
+            engine.clip_grad_value_(1e-3, optimizer=engine.optimizers[1])
+        engine.step()
+        for m, opts, every in refs:
+            m(input_ids=ids, labels=ids).loss.backward()
+            a, b = split(m)
+            norm = torch.nn.utils.clip_grad_norm_(list(m.parameters()) if every else a, 0.05)
+            if not every:
+                norms.append(float(norm))
+            torch.nn.utils.clip_grad_value_(b, 1e-3)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    assert norms[0::2] == pytest.approx(norms[1::2], rel=1e-5), norms
+    assert min(norms) > 0.05  # so the norm clip changed the update
+    sd = engine.full_state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=1e-6, msg=k)
+    assert max((sd[k] - v).abs().max().item() for k, v in ref_global.state_dict().items()) > 1e-4
+    engine.close()
+
+
 # -- checkpoints: N=2 stage 3 -> N=3 stage 2 ------------------------------------------------------
 # The global batch is 6 sequences at both world sizes (3 per rank, then 2 per rank).
 def _train(engine, model, batches, rank, ws):

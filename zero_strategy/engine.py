@@ -152,7 +152,9 @@ class ZeroEngine:
         self._skip_watch = SkipWatch()  # repeated fp16 skips with no way out warn
         self._synced = True  # False inside no_sync(): a mode, not a phase
         self._backward_synced = True  # the mode the running backward started in
-        self._step_grad_ops: List[tuple] = []  # unscale / clip operations for this step's gradients
+        # Unscale / clip operations for this step's gradients: (op, value, optimizer index
+        # or None for every optimizer's units).
+        self._step_grad_ops: List[tuple] = []
         self._overflow = False
         self._used: Optional[Dict[int, List[bool]]] = None  # per unit: which parameters got a gradient
         self.last_load_report: Optional[Dict[str, list]] = None  # from pretrained=: missing / unexpected names
@@ -313,6 +315,27 @@ class ZeroEngine:
         """:attr:`optimizer_param_places` of optimizer ``k``'s own param groups."""
         start = self._group_offsets[k]
         return self.optimizer_param_places[start : start + len(self.inner_optimizers[k].param_groups)]
+
+    def parameters_of(self, k: int) -> List[torch.nn.Parameter]:
+        """The model's parameters that optimizer ``k`` updates."""
+        return [p for u in self.units_of(k) for p in u.params]
+
+    def optimizer_of_parameters(self, parameters) -> Optional[int]:
+        """None when the trainable ones among ``parameters`` are all of the model's
+        trainable parameters; ``k`` when they are exactly optimizer ``k``'s; otherwise a
+        ValueError (ZeRO clips every optimizer's gradients, or one optimizer's, together)."""
+        given = {id(p) for p in parameters if p.requires_grad}
+        every = {id(p) for u in self.trainable_units for p in u.params}
+        if given == every:
+            return None
+        for k in range(len(self.optimizers)):
+            if given == {id(p) for p in self.parameters_of(k)}:
+                return k
+        raise ValueError(
+            f"{len(given)} of the {len(every)} trainable parameters of a ZeroEngine's model were given: ZeRO clips all "
+            "of a model's gradients together, or all of one optimizer's. Pass model.parameters() (or exactly the "
+            "parameters of one of its optimizers)"
+        )
 
     def optimizer_index(self, optimizer) -> int:
         """The index of ``optimizer`` (a user optimizer or its ZeroOptimizer) in this engine."""
@@ -488,7 +511,7 @@ class ZeroEngine:
             self.reducer.flush(self._synced)
         self._overflow = overflow = self._agree_overflow_and_usage()
         inv_scale = 1.0 / self.scaler.scale
-        self._step_grad_ops = [("mul", inv_scale)] if inv_scale != 1.0 else []
+        self._step_grad_ops = [("mul", inv_scale, None)] if inv_scale != 1.0 else []
         self.phase = Phase.GRADS_READY
         return overflow
 
@@ -587,27 +610,34 @@ class ZeroEngine:
         on the optimizer's device in fp32, with this step's unscale / clip applied."""
         g = unit.grads.reduced()
         target = unit.params_store.optimizer_target
-        if not self._step_grad_ops and g.dtype == target.dtype and g.device == target.device:
+        ops = [(op, value) for op, value, k in self._step_grad_ops if k is None or k == unit.optimizer_index]
+        if not ops and g.dtype == target.dtype and g.device == target.device:
             return g
         out = g.to(device=target.device, dtype=target.dtype, copy=True)
-        for op, value in self._step_grad_ops:
+        for op, value in ops:
             if op == "mul":
                 out.mul_(value)
             else:
                 out.clamp_(-value, value)
         return out
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, optimizer=None) -> torch.Tensor:
         """Clip this step's gradients by their global norm over every shard; return the
-        norm before clipping (inf/nan after an fp16 overflow, in which case nothing is clipped)."""
+        norm before clipping (inf/nan after an fp16 overflow, in which case nothing is clipped).
+
+        ``optimizer`` (an index, or one of the engine's optimizers): the norm and the
+        clipping of that optimizer's parameters only, as ``clip_grad_norm_`` over its
+        parameters is without ZeRO (Lightning's ``clip_gradients(opt, ...)``).  Collective."""
         self._check_open()
         if not self.optimizers:
             raise RuntimeError("clip_grad_norm_ needs an optimizer: initialize was called with optimizer=None")
+        k = self._optimizer_selector(optimizer)
         overflow = self._prepare_master_grads("clip_grad_norm_()")
         norm_type = float(norm_type)
         dev = self._device()
         local = torch.zeros((), device=dev, dtype=torch.float32)
-        for u in self.trainable_units:  # one unit's fp32 temporary at a time
+        units = self.trainable_units if k is None else self.units_of(k)
+        for u in units:  # one unit's fp32 temporary at a time
             g = self._step_grad(u).float()
             part = g.abs().max() if norm_type == math.inf else g.norm(norm_type) ** norm_type
             local = torch.maximum(local, part.to(dev)) if norm_type == math.inf else local + part.to(dev)
@@ -620,18 +650,33 @@ class ZeroEngine:
             return total
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
-            self._step_grad_ops.append(("mul", coef))
+            self._step_grad_ops.append(("mul", coef, k))
         return total
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every gradient element to ``[-clip_value, clip_value]`` (after fp16
-        unscaling).  Element-wise, so each rank clamps its own shard."""
+    def clip_grad_value_(self, clip_value: float, optimizer=None) -> None:
+        """Clamp every gradient element (of ``optimizer``'s parameters only, when given) to
+        ``[-clip_value, clip_value]`` (after fp16 unscaling).  Element-wise, so each rank
+        clamps its own shard."""
         self._check_open()
         if not self.optimizers:
             raise RuntimeError("clip_grad_value_ needs an optimizer: initialize was called with optimizer=None")
+        k = self._optimizer_selector(optimizer)
         if self._prepare_master_grads("clip_grad_value_()"):
             return
-        self._step_grad_ops.append(("clamp", float(clip_value)))
+        self._step_grad_ops.append(("clamp", float(clip_value), k))
+
+    def _optimizer_selector(self, optimizer) -> Optional[int]:
+        """None (every optimizer) or the index ``optimizer`` names (index or optimizer); an
+        engine with one optimizer treats it as None (the same parameters)."""
+        if optimizer is None or len(self.optimizers) == 1:
+            return None
+        if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+            if not 0 <= optimizer < len(self.optimizers):
+                raise ValueError(f"optimizer={optimizer}: this engine has {len(self.optimizers)} optimizer(s)")
+            k = optimizer
+        else:
+            k = self.optimizer_index(getattr(optimizer, "_optimizer", optimizer))  # a LightningOptimizer wraps it
+        return k
 
     def _reduce_norm(self, local: torch.Tensor, op: str) -> torch.Tensor:
         # Replicated gradients (stage 0) are whole on every rank: nothing to combine.

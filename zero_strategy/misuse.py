@@ -154,8 +154,10 @@ def _open_engine(p):
 
 
 def _engine_for(parameters, what: str):
-    """The open engine whose trainable parameters are exactly the trainable ones among
-    ``parameters``, or None when none of them is managed by an open engine."""
+    """``(engine, which)``: the open engine whose trainable parameters, or one of whose
+    optimizers' parameters, are exactly the trainable ones among ``parameters`` (``which``:
+    None for all of them, else the optimizer's index); ``(None, the tensors)`` when none of
+    them is managed by an open engine."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     owners = [_open_engine(p) for p in params]
     engines = {id(e): e for e in owners if e is not None}
@@ -173,20 +175,24 @@ def _engine_for(parameters, what: str):
         return None, params  # frozen parameters only: no gradient to clip, as with torch
     trainable = {id(p) for p in eng.module.parameters() if p.requires_grad}
     if given != trainable:
+        # Exactly one optimizer's parameters (several optimizers): clipped as that group.
+        per_optimizer = [{id(p) for p in eng.parameters_of(k)} for k in range(len(eng.optimizers))]
+        if len(per_optimizer) > 1 and given in per_optimizer:
+            return eng, per_optimizer.index(given)
         raise RuntimeError(
             f"torch.nn.utils.{what} was given {len(given)} of the {len(trainable)} trainable parameters of a "
             f"ZeroEngine's model: ZeRO clips all of a model's gradients together (their .grad is not the gradient "
-            f"the engine steps with). Pass model.parameters(), or call engine.{what}(...)."
+            f"the engine steps with), or all of one optimizer's. Pass model.parameters(), or call engine.{what}(...)."
         )
-    return eng, params
+    return eng, None
 
 
 @functools.wraps(_TORCH_CLIP_NORM)
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    eng, params = _engine_for(parameters, "clip_grad_norm_")
+    eng, which = _engine_for(parameters, "clip_grad_norm_")
     if eng is None:
-        return _TORCH_CLIP_NORM(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-    total = eng.clip_grad_norm_(float(max_norm), norm_type=float(norm_type))
+        return _TORCH_CLIP_NORM(which, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    total = eng.clip_grad_norm_(float(max_norm), norm_type=float(norm_type), optimizer=which)
     if error_if_nonfinite and not math.isfinite(float(total)):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot "
@@ -198,10 +204,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 
 @functools.wraps(_TORCH_CLIP_VALUE)
 def clip_grad_value_(parameters, clip_value, foreach=None):
-    eng, params = _engine_for(parameters, "clip_grad_value_")
+    eng, which = _engine_for(parameters, "clip_grad_value_")
     if eng is None:
-        return _TORCH_CLIP_VALUE(params, clip_value, foreach=foreach)
-    eng.clip_grad_value_(float(clip_value))
+        return _TORCH_CLIP_VALUE(which, clip_value, foreach=foreach)
+    eng.clip_grad_value_(float(clip_value), optimizer=which)
     return None
 
 

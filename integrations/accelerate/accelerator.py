@@ -425,12 +425,17 @@ class ZeroAccelerator(Accelerator):
                 "clip each model's gradients in a call of its own (accelerator.clip_grad_norm_(model.parameters(), ...))"
             )
         engine, trainable = touched[0]
-        if not trainable <= given:
-            raise ValueError(
-                "zero_config: gradient clipping acts on all of the model's gradients at once (they are "
-                "partitioned across ranks); pass model.parameters()"
-            )
-        return engine, parameters
+        if trainable <= given:
+            return engine, None
+        # Exactly one optimizer's parameters (several optimizers): clipped as that group,
+        # as stock Accelerate clips the parameters it is given.
+        for k in range(len(engine.optimizers)):
+            if len(engine.optimizers) > 1 and given & trainable == {id(p) for p in engine.parameters_of(k)}:
+                return engine, k
+        raise ValueError(
+            "zero_config: gradient clipping acts on all of the model's gradients at once (they are "
+            "partitioned across ranks), or on all of one of its optimizers'; pass model.parameters()"
+        )
 
     def _zero_outside_sync(self, what: str) -> bool:
         if self.sync_gradients:
@@ -445,20 +450,20 @@ class ZeroAccelerator(Accelerator):
         return True
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        engine, parameters = self._zero_engine_for_parameters(parameters)
+        engine, which = self._zero_engine_for_parameters(parameters)
         if engine is None:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+            return super().clip_grad_norm_(which, max_norm, norm_type=norm_type)
         if self._zero_outside_sync("clip_grad_norm_"):
             return None
-        return engine.clip_grad_norm_(max_norm, norm_type)
+        return engine.clip_grad_norm_(max_norm, norm_type, optimizer=which)
 
     def clip_grad_value_(self, parameters, clip_value):
-        engine, parameters = self._zero_engine_for_parameters(parameters)
+        engine, which = self._zero_engine_for_parameters(parameters)
         if engine is None:
-            return super().clip_grad_value_(parameters, clip_value)
+            return super().clip_grad_value_(which, clip_value)
         if self._zero_outside_sync("clip_grad_value_"):
             return None
-        engine.clip_grad_value_(clip_value)
+        engine.clip_grad_value_(clip_value, optimizer=which)
 
     # -- weights and checkpoints ------------------------------------------------------------
     def get_state_dict(self, model, unwrap=True):

@@ -233,14 +233,17 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite=True):
         engine = self._engine_for(module)
-        norm = engine.clip_grad_norm_(float(max_norm), norm_type=float(norm_type))
+        # that optimizer's parameters, as Fabric's other strategies clip them
+        norm = engine.clip_grad_norm_(float(max_norm), norm_type=float(norm_type),
+                                      optimizer=self._index_in(engine, optimizer))
         # An fp16 overflow gives an inf norm by design (the step will be skipped).
         if error_if_nonfinite and not engine.config.uses_loss_scaling and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of order {norm_type} for gradients is non-finite ({norm.item()})")
         return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-        self._engine_for(module).clip_grad_value_(float(clip_val))
+        engine = self._engine_for(module)
+        engine.clip_grad_value_(float(clip_val), optimizer=self._index_in(engine, optimizer))
 
     # -- collectives -------------------------------------------------------------------
     def all_reduce(self, tensor, group=None, reduce_op="mean"):

@@ -131,11 +131,13 @@ class ZeroPrecision(Precision):
         engine.step(None if len(engine.optimizers) == 1 else engine.optimizer_index(optimizer))
         return closure_result
 
+    # With several optimizers, clip_gradients(opt, ...) clips that optimizer's parameters,
+    # as under ddp; with one, every parameter.
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:
-        self._engine().clip_grad_norm_(float(clip_val))
+        self._engine().clip_grad_norm_(float(clip_val), optimizer=optimizer)
 
     def clip_grad_by_value(self, optimizer, clip_val) -> None:
-        self._engine().clip_grad_value_(float(clip_val))
+        self._engine().clip_grad_value_(float(clip_val), optimizer=optimizer)
 
 
 @with_config_options
