@@ -327,16 +327,28 @@ def test_set_timeout(kind):
 
 
 def test_strategy_load_optimizer_states_multiple(tmp_path):
-    """pytorch/test_fsdp.py::test_strategy_load_optimizer_states_multiple (adapted: ZeRO takes exactly
-    one optimizer, so a single file with two optimizer states is refused before anything is loaded)."""
+    """pytorch/test_fsdp.py::test_strategy_load_optimizer_states_multiple, with upstream's
+    assertions (adapted: the optimizers are the engine's, so the mock is the engine's list).
+    A single file whose optimizer states do not match the optimizers in number is refused
+    before anything is loaded."""
     import torch
 
+    spec = torch.optim.Optimizer
     strategy = _trainer_strategy_cls()(parallel_devices=[torch.device("cpu")])
     strategy._engine = Mock()
+    # More states than optimizers configured
+    strategy._engine.optimizers = [Mock(spec=spec)]
     checkpoint = {"state_dict": {}, "optimizer_states": [{"state": {}}, {"state": {}}]}
     torch.save(checkpoint, tmp_path / "two-states.ckpt")
-    with pytest.raises(RuntimeError, match="1 optimizer but the checkpoint contains 2 optimizers to load"):
+    with pytest.raises(RuntimeError, match="1 optimizers but the checkpoint contains 2 optimizers to load"):
         strategy.load_checkpoint(tmp_path / "two-states.ckpt")
+    # Fewer states than optimizers configured
+    strategy._engine.optimizers = [Mock(spec=spec), Mock(spec=spec)]
+    checkpoint = {"state_dict": {}, "optimizer_states": [{"state": {}}]}
+    torch.save(checkpoint, tmp_path / "one-state.ckpt")
+    with pytest.raises(RuntimeError, match="2 optimizers but the checkpoint contains 1 optimizers to load"):
+        strategy.load_checkpoint(tmp_path / "one-state.ckpt")
+    strategy._engine.load_full_optimizer_state_dict.assert_not_called()
 
 
 # ======================================================================================

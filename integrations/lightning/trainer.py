@@ -421,7 +421,7 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
             count = len(self._engine.optimizers)
             if len(states) != count:
                 raise RuntimeError(
-                    f"ZeroStrategy has {count} optimizer(s) but the checkpoint contains {len(states)} optimizers to "
+                    f"ZeroStrategy has {count} optimizers but the checkpoint contains {len(states)} optimizers to "
                     f"load ({path})"
                 )
             for k, state in enumerate(states):
