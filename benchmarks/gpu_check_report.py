@@ -107,12 +107,13 @@ def offload_section(part):
                      f"host {_gib(rep.get('host'))} GiB.")
     steps = part.get("steps") or []
     if steps:
-        lines += ["", "| step | step s | forward+backward s | optimizer step s | loss | device peak GiB "
+        lines += ["", "| step | host_optimizer_step | step s | forward+backward s | optimizer step s | loss | device peak GiB "
                       "| host peak RSS growth GiB | host RSS growth GiB | memory_report device / host GiB |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for s in steps:
             rep = s["memory_report"]
-            lines.append(f"| {s['step']} | {_num(s['step_s'], '{:.2f}')} | {_num(s['forward_backward_s'], '{:.2f}')} "
+            lines.append(f"| {s['step']} | {s.get('host_optimizer_step', 'optimizer')} | {_num(s['step_s'], '{:.2f}')} "
+                         f"| {_num(s['forward_backward_s'], '{:.2f}')} "
                          f"| {_num(s['optimizer_step_s'], '{:.2f}')} | {s['loss']:.4f} | {_gib(s['device_peak_bytes'])} "
                          f"| {_gib(s['host_peak_rss_bytes'])} | {_gib(s['host_rss_bytes'])} "
                          f"| {_gib(rep.get('device'))} / {_gib(rep.get('host'))} |")

@@ -100,7 +100,9 @@ def test_tiny_cpu_rehearsal_reports_every_part(tmp_path):
     off = parts["offload"]
     lpsi = _llama_params(**shapes["llama"])
     assert off["model"]["psi"] == lpsi
-    assert [s["step"] for s in off["steps"]] == [1, 2]
+    assert [s["step"] for s in off["steps"]] == [1, 2, 3]
+    # the fused host step, then the optimizer's own (before/after on one engine)
+    assert [s["host_optimizer_step"] for s in off["steps"]] == ["fused", "fused", "optimizer"]
     host = off["steps"][-1]["memory_report"]["host"]
     assert host == pytest.approx(16 * lpsi, rel=0.01)
     assert off["steps"][1]["loss"] < off["steps"][0]["loss"]
@@ -118,7 +120,7 @@ def test_gpu_check_script_runs_a_part_in_its_own_process(tmp_path):
     assert report["isolated"] and report["tests"]["rc"] == "0", report["tests"]
     assert "skipped" in report["tests"]["tail"]  # no CUDA device here
     part = report["parts"]["offload"]
-    assert part["status"] == "ok" and "error" not in part and len(part["steps"]) == 2
+    assert part["status"] == "ok" and "error" not in part and len(part["steps"]) == 3
     assert "## Optimizer offload" in proc.stdout
 
 
@@ -191,7 +193,7 @@ def test_builtin_models_stand_in_for_transformers(tmp_path):
         assert max(abs(a - b) for a, b in zip(stages[name]["losses"], stages["torch_amp"]["losses"])) < 2e-3, name
     off = report["parts"]["offload"]
     assert "error" not in off, off.get("error")
-    assert off["model"]["psi"] == _llama_params(**report["shapes"]["llama"]) and len(off["steps"]) == 2
+    assert off["model"]["psi"] == _llama_params(**report["shapes"]["llama"]) and len(off["steps"]) == 3
 
 
 def test_offload_host_memory_plan_for_the_7b():
