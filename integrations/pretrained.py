@@ -394,10 +394,10 @@ def _checkpoint_dtype(config, folder):
         return value if value.is_floating_point else None
     from safetensors import safe_open
 
-    from zero_strategy.materialize import _weight_files
+    from zero_strategy.materialize import weight_files
 
     names = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-    for key, file in sorted(_weight_files(folder).items()):
+    for key, file in sorted(weight_files(folder).items()):
         with safe_open(str(file), framework="pt") as h:
             found = names.get(h.get_slice(key).get_dtype())
         if found is not None:

@@ -144,7 +144,7 @@ def test_a_loading_error_on_one_rank_stops_every_rank(runs, tmp_path):
     proc = launcher.run(launcher.command("zero3_init", SCRIPT, args), expect_ok=False)
     assert proc.returncode != 0
     assert "model.layers.1.mlp.down_proj.weight" in proc.stderr
-    assert "[rank0]" in proc.stderr and "partitioned loading failed on another rank, so this one stops too: rank 1: " \
+    assert "[rank0]" in proc.stderr and "partitioned loading failed on rank(s) [1], so every rank stops: rank 1: " \
         "ValueError: partitioned loading refused" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "out" / "out.json").exists()
 

@@ -13,13 +13,14 @@ from .config import ZeroConfig
 from .estimate import MemoryEstimate, estimate
 from .engine import ZeroEngine, engine_of
 from .materialize import init_context, keep_meta_on_moves
-from .guard import PartitionedParameterError
+from .guard import PartitionedParameterError, is_partitioned
 from .comm import CollectiveError
+from . import agreement as _agreement
 from .fingerprint import SetupMismatchError
 from .checkpoint import (CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_optimizer_states,
                          load_consolidated_state_dict)
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 
 def initialize(model, optimizer=None, config=None, process_group=None, *, device=None, pretrained=None,
@@ -51,6 +52,20 @@ def initialize(model, optimizer=None, config=None, process_group=None, *, device
                       sync_module_states=sync_module_states)
 
 
+def run_on_every_rank(what: str, work, *, process_group=None, timeout: Optional[float] = None,
+                      error_type=RuntimeError, own: str = "always"):
+    """Collective: ``work()`` on every rank of ``process_group`` (default: the default
+    group; a single process when torch.distributed is not initialised), then the ranks
+    agree on its success within ``timeout`` seconds (default: ``collective_timeout``'s
+    default).  If it raised on any rank, every rank raises: the ranks that failed their
+    own error (``own="always"``; see ``zero_strategy.agreement.agree`` for the other
+    choices), the others ``error_type`` naming each failing rank and its message, so no
+    rank is left waiting in a later collective for a peer that gave up.  Returns what
+    ``work()`` returned on this rank."""
+    comm = _agreement.communicator(process_group, timeout)
+    return comm.run_and_agree(what, work, error_type=error_type, own=own)
+
+
 def gathered_parameters(model, *modules, modifier_rank=None):
     """``engine_of(model).gathered_parameters(*modules, modifier_rank=...)``: a context in
     which the (stage-3 partitioned) parameters of ``modules`` of ``model`` are whole on
@@ -66,7 +81,9 @@ def gathered_parameters(model, *modules, modifier_rank=None):
 
 __all__ = [
     "gathered_parameters",
+    "run_on_every_rank",
     "PartitionedParameterError",
+    "is_partitioned",
     "CollectiveError",
     "SetupMismatchError",
     "ZeroConfig",

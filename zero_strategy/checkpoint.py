@@ -35,7 +35,7 @@ Atomicity: every rank writes into ``<dir>.tmp`` (after rank 0 took ``<dir>.lock`
 after every rank's files are complete rank 0 writes the manifest, then swaps the
 directory into place.  A process killed during a save leaves only the ``.tmp``
 directory behind; the previous checkpoint is untouched.  Each phase ends with an
-agreement of all ranks ([Note: every rank fails together] in checkpoint_sync.py).
+agreement of all ranks ([Note: every rank fails together] in agreement.py).
 """
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ import torch
 from .disk_offload import is_offload_directory
 from . import checkpoint_files as files
 from .checkpoint_files import CheckpointError
+from .checkpoint_files import existing as existing_checkpoint
 from .checkpoint_manifest import FORMAT, FORMAT_VERSION, layout_digest, rank_file_names, validate
-from .checkpoint_sync import agree
 from .dtypes import dtype_from_name, dtype_name, precision_dtype
 from .safetensors_io import StreamingSafetensorsWriter
 
@@ -67,9 +67,14 @@ SHARED = "shared.safetensors"
 CONFIG = "config.json"
 _KEY = re.compile(r"^unit(\d+)\.(value|optim\.(.+)|optim_scalar\.(.+)|optim_present|whole_present|whole(\d+)\.(.+))$")
 
-__all__ = ["CheckpointError", "CheckpointReader", "FORMAT_VERSION", "consolidate", "load_checkpoint",
+__all__ = ["CheckpointError", "CheckpointReader", "FORMAT_VERSION", "consolidate", "existing_checkpoint", "load_checkpoint",
            "load_client_state", "load_consolidated_optimizer_state", "load_consolidated_optimizer_states",
            "load_consolidated_state_dict", "save_checkpoint"]
+
+
+def _agree(comm, what: str, error, **kwargs):
+    # A checkpoint operation's phase ends with every rank agreeing on its success.
+    return comm.agree(what, error, error_type=CheckpointError, **kwargs)
 
 
 def _rank_file(d: Path, r: int, ext: str) -> Path:
@@ -105,7 +110,7 @@ def _layout(engine) -> Tuple[list, list]:
 
 
 def _manifest(engine, units: list, tensors: list, checkpoint_id: str, table: dict) -> dict:
-    from . import __version__
+    from ._version import __version__
 
     cfg = engine.config
     saved = [_optimizer_entry(engine, k) for k in range(len(engine.inner_optimizers))]
@@ -293,7 +298,7 @@ def save_checkpoint(engine, directory, client_state: Optional[dict] = None) -> P
         digest = layout_digest(ws, units, tensors)
     except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
         error = e
-    agree(comm, "save_checkpoint", error, same={"path": str(path), "model layout": digest})
+    _agree(comm, "save_checkpoint", error, same={"path": str(path), "model layout": digest})
     what = f"save_checkpoint({path})"
 
     lock, done = None, False
@@ -308,7 +313,7 @@ def save_checkpoint(engine, directory, client_state: Optional[dict] = None) -> P
                 proposed = [secrets.randbits(62), secrets.randbits(62)]
             except Exception as e:  # noqa: BLE001
                 error = e
-        hi, lo = agree(comm, what, error, proposed=proposed)
+        hi, lo = _agree(comm, what, error, proposed=proposed)
         identity = dict(rank=rank, world_size=ws, checkpoint_id=f"{hi:016x}{lo:016x}", layout=digest)
         tmp = files.sibling(path, ".tmp")
 
@@ -322,7 +327,7 @@ def save_checkpoint(engine, directory, client_state: Optional[dict] = None) -> P
                 records.update(_write_rank0_files(engine, tmp, client_state, identity))
         except Exception as e:  # noqa: BLE001
             error = e
-        agree(comm, what, error)
+        _agree(comm, what, error)
         everyone = comm.all_gather_object(records, label=f"{what}: file checksums")
 
         # 3. rank 0: the manifest, then the swap; the lock is released before the
@@ -343,7 +348,7 @@ def save_checkpoint(engine, directory, client_state: Optional[dict] = None) -> P
                     files.discard_tmp(path)
                 lock.release()
                 lock = None
-        agree(comm, what, error)
+        _agree(comm, what, error)
     finally:
         if lock is not None:
             if not done:
@@ -731,7 +736,7 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_on
         plan = _plan_load(engine, path, allow_reshard, weights_only)
     except Exception as e:  # noqa: BLE001 - agreed below, raised on every rank
         error = e
-    agree(comm, "load_checkpoint", error, same={"path": str(path)})
+    _agree(comm, "load_checkpoint", error, same={"path": str(path)})
     error = None
     try:
         _apply(engine, plan)
@@ -739,7 +744,7 @@ def load_checkpoint(engine, directory, *, allow_reshard: bool = True, weights_on
         error = e
     finally:
         plan.reader.close()
-    agree(comm, f"load_checkpoint({path})", error)
+    _agree(comm, f"load_checkpoint({path})", error)
     return plan.client
 
 

@@ -49,6 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import agreement
 from . import collectives as C
 from .bounded import PeerFailed, WaitTimeout, wait_work
 from .diagnosis import CollectiveError, Reports, build_error, current_api, describe, report_window
@@ -505,6 +506,29 @@ class Communicator:
         self._issue(C.all_gather(out, padded, self.group, self.world_size, ident, rank=self.rank), position, False)
         rows = out.view(self.world_size, longest).cpu()
         return [pickle.loads(rows[r, : int(sizes[r])].numpy().tobytes()) for r in range(self.world_size)]
+
+    # -- run, then agree ([Note: every rank fails together] in agreement.py) ---------------------
+    def agree(self, what: str, error: Optional[BaseException], **kwargs):
+        """:func:`agreement.agree` over this communicator."""
+        return agreement.agree(self, what, error, **kwargs)
+
+    def run_and_agree(self, what: str, work: Callable, **kwargs):
+        """``work()`` on every rank; if it raised on any rank, every rank raises."""
+        return agreement.run_and_agree(self, what, work, **kwargs)
+
+    def broadcast_object(self, obj, src: int = 0, label: str = "an object"):
+        """Rank ``src``'s picklable ``obj`` on every rank (bounded and headed, like
+        :meth:`broadcast`): its length, then its bytes."""
+        if self.world_size == 1:
+            return obj
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self._control_device())
+        self.broadcast(size, src, label=f"the size of {label}")
+        buf = torch.zeros(int(size), dtype=torch.uint8, device=size.device)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.broadcast(buf, src, label=label)
+        return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
 
     def barrier(self, label: str = "a barrier") -> None:
         """With headers: an all-gather of nothing but the header (so a barrier is

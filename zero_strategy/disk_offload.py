@@ -58,6 +58,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+
 MARKER = "ZERO_STRATEGY_OFFLOAD.json"
 """The file naming a disk-offload directory (never a checkpoint's)."""
 
@@ -312,25 +313,16 @@ class DiskOffload:
     # -- agreement -------------------------------------------------------------------------
     def check(self, what: str) -> None:
         """Collective (with world size > 1): raise DiskOffloadError on every rank if any
-        rank's disk offload failed since the last check."""
+        rank's disk offload failed since the last check ([Note: every rank fails together])."""
         error, self.error = self.error, None
-        ws = self.comm.world_size
-        failed = [0] if error is not None else []
-        if ws > 1:
-            flags = torch.zeros(ws, dtype=torch.int64, device=self.comm._control_device())  # NCCL: on the GPU
-            flags[self.comm.rank] = int(error is not None)
-            self.comm.control_all_reduce(flags, "max", label=f"{what}: agreeing on disk offload")
-            failed = [r for r, v in enumerate(flags.tolist()) if v]
-        if not failed:
-            self._constructed = True
-            return
-        self.error = error  # stays failed: later steps must not pretend the state is on disk
-        if not self._constructed:
-            self.close()  # the engine is not built: nothing of it may stay on disk
-        mine = str(error) if error is not None else None
-        messages = self.comm.all_gather_object(mine, label=f"{what}: disk offload failure report") if ws > 1 else [mine]
-        lines = "; ".join(f"rank {r}: {messages[r]}" for r in failed)
-        raise DiskOffloadError(f"{what} failed on rank(s) {failed}, so every rank stops: {lines}") from error
+        try:
+            self.comm.agree(what, error, error_type=DiskOffloadError, own="never")
+        except DiskOffloadError:
+            self.error = error  # stays failed: later steps must not pretend the state is on disk
+            if not self._constructed:
+                self.close()  # the engine is not built: nothing of it may stay on disk
+            raise
+        self._constructed = True
 
     # -- residency -------------------------------------------------------------------------
     def unit_bytes(self, unit_index: int) -> int:

@@ -24,6 +24,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.nn as nn
 
+from . import agreement
 from .accounting import optimizer_state_bytes
 from .activation import apply_activation_checkpointing
 from .comm import Communicator
@@ -437,6 +438,22 @@ class ZeroEngine:
             if p.dtype != self.orig_dtype_untouched[name]:
                 p.data = p.data.to(self.orig_dtype_untouched[name])
 
+    # -- what adapters ask ----------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (the model is no longer managed)."""
+        return self.phase is Phase.CLOSED
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale :meth:`backward` multiplies the loss by (1.0 otherwise)."""
+        return float(self.scaler.scale)
+
+    def original_dtype(self, param: torch.nn.Parameter) -> torch.dtype:
+        """The dtype ``param`` had when the engine was built (its master's dtype under
+        mixed precision, where the module holds a 16-bit compute copy)."""
+        return self.orig_dtype_by_id.get(id(param), param.dtype)
+
     def _check_open(self) -> None:
         if self.phase is Phase.CLOSED:
             raise RuntimeError("this ZeroEngine was closed: the model's parameters are no longer managed; build a new engine with zero_strategy.initialize")
@@ -454,10 +471,9 @@ class ZeroEngine:
     def _check_finite_loss(self, loss: torch.Tensor) -> None:
         # Agreed by every rank, so all stop together (a lone rank stopping would leave the
         # others waiting in backward's collectives).
-        bad = torch.zeros(self.comm.world_size, device=self._device())
-        bad[self.comm.rank] = 0.0 if bool(torch.isfinite(loss.detach()).all()) else 1.0
-        self.comm.control_all_reduce(bad, "sum", label="the finite-loss check")
-        ranks = [r for r, v in enumerate(bad.tolist()) if v > 0]
+        finite = bool(torch.isfinite(loss.detach()).all())
+        mine = None if finite else FloatingPointError(f"loss {float(loss.detach().float().reshape(-1)[0])}")
+        ranks = agreement.exchange(self.comm, "the finite-loss check", mine, error_type=FloatingPointError).failed
         if ranks:
             raise FloatingPointError(
                 f"the loss is not finite (NaN or inf) at step {self.global_step} on rank(s) {ranks} "

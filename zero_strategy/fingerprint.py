@@ -14,8 +14,8 @@ collective.  Each rank hashes
   ``params``) and which parameters it holds, by name (in any order);
 * ``options``: ``sync_module_states`` and whether ``pretrained`` weights are loaded;
 
-and one max-all-reduce of a fixed number of (hash, -hash) pairs tells every rank
-whether all agree (the maximum of -hash is minus the minimum).  The tensor has the same
+and one agreement ([Note: every rank fails together] in agreement.py) of a fixed
+number of hashes tells every rank whether all agree.  The tensor has the same
 size on every rank whatever was passed, and the check runs without
 ``check_call_order``'s extra exchange even when some rank asked for it, so this first
 collective always pairs up.  Only when the hashes differ are the descriptions gathered
@@ -39,6 +39,8 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from . import agreement
 
 _BITS = (1 << 62) - 1
 _SHOWN = 12  # differences listed at most
@@ -193,12 +195,10 @@ def check_same_setup(comm, model: nn.Module, optimizer, config, *, sync_module_s
     digests = [_digest(desc[s]) for s in SECTIONS]
     # Always the same length: a value slot of 0 where values are not compared.
     digests.append(_values_checksum(model) if not sync_module_states and pretrained is None else 0)
-    t = torch.tensor([x for d in digests for x in (d, -d)], dtype=torch.int64, device=comm._control_device())
     check_order, comm.check_order = comm.check_order, False  # the same collectives on every rank
     try:
-        comm.control_all_reduce(t, "max", label="the setup check (config, model, optimizer)")
-        pairs = t.view(-1, 2).tolist()
-        differing = [s for s, (hi, neg_lo) in zip(SECTIONS + ("values",), pairs) if hi != -neg_lo]
+        differing = agreement.exchange(comm, "the setup check (config, model, optimizer)", None,
+                                       same={s: str(d) for s, d in zip(SECTIONS + ("values",), digests)}).differing
         structural = [s for s in differing if s != "values"]
         if structural:
             everyone = comm.all_gather_object({s: desc[s] for s in structural}, label="the setup check's differences")

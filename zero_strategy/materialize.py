@@ -203,8 +203,9 @@ def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = No
 # ----------------------------------------------------------------------------------------
 # loading pretrained weights straight into shards
 # ----------------------------------------------------------------------------------------
-def _weight_files(path) -> Dict[str, Path]:
-    """name -> safetensors file, for a file, or a directory with one file or an index."""
+def weight_files(path) -> Dict[str, Path]:
+    """name -> safetensors file, for a file, or a directory with one file or an index
+    (``model.safetensors.index.json``; its file names may not lead outside the folder)."""
     path = Path(path)
     if path.is_file():
         files = [path]
@@ -282,9 +283,9 @@ def _sources(path) -> Dict[str, tuple]:
         out: Dict[str, tuple] = {}
         for prefix, one in path.items():
             lead = f"{prefix}." if prefix else ""
-            out.update({lead + k: (f, k) for k, f in _weight_files(one).items()})
+            out.update({lead + k: (f, k) for k, f in weight_files(one).items()})
         return out
-    return {k: (f, k) for k, f in _weight_files(path).items()}
+    return {k: (f, k) for k, f in weight_files(path).items()}
 
 
 def _write_owned_slice(unit, i, source) -> None:
@@ -413,7 +414,7 @@ class CheckpointBinding:
         from safetensors import safe_open
 
         self.folder = str(folder)
-        self.files = _weight_files(folder)
+        self.files = weight_files(folder)
         shapes = {}
         for f in sorted(set(self.files.values())):  # headers only: no tensor data is read
             with safe_open(str(f), framework="pt") as h:
@@ -525,3 +526,7 @@ def bind(root: nn.Module, bindings) -> BoundWeights:
                          + ". Build the model's wrappers so that they keep the parameters from_pretrained created, "
                          "or load without zero3_init_flag")
     return BoundWeights(params, buffers, initialise, unexpected, sorted({b.folder for b in bindings}))
+
+
+# The public names (adapters use only these; docs/architecture.md, "The public surface").
+__all__ = ["BoundWeights", "CheckpointBinding", "bind", "file_inside", "init_context", "keep_meta_on_moves", "weight_files"]

@@ -27,3 +27,6 @@ def startup_line(engine) -> str:
     except (ValueError, KeyError, TypeError):
         pass  # the formula is an aside; what runs is the line itself
     return line
+
+
+__all__ = ["startup_line"]

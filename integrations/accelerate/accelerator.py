@@ -46,9 +46,7 @@ Accelerate returns them: stock Accelerate's numbers.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -86,7 +84,7 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         return bool(self.engine.last_step_skipped)
 
     def step(self, closure=None):
-        if self.gradient_state.sync_gradients and _is_closed(self.engine):
+        if self.gradient_state.sync_gradients and self.engine.closed:
             raise RuntimeError(
                 f"zero_config: the {type(self.engine.module).__name__} this optimizer trains has left ZeRO (it was "
                 "moved or cast as a whole, e.g. model.to(...) / .cpu() / .float(), after prepare, which gives back "
@@ -135,7 +133,7 @@ class ZeroAccelerator(Accelerator):
     @property
     def zero_engines(self) -> list:
         """The open :class:`zero_strategy.ZeroEngine` of every prepared model, in the order built."""
-        return [e for e in self._zero_engines if not _is_closed(e)]
+        return [e for e in self._zero_engines if not e.closed]
 
     @property
     def zero_engine(self):
@@ -175,7 +173,7 @@ class ZeroAccelerator(Accelerator):
         """Keep Accelerate's own checkpointing away from the sharded model and optimizer."""
         models, optimizers = self._models, self._optimizers
         self._models = [m for m in models if self.zero_engine_for(m) is None]
-        self._optimizers = [o for o in optimizers if not (isinstance(o, ZeroAcceleratedOptimizer) and not _is_closed(o.engine))]
+        self._optimizers = [o for o in optimizers if not (isinstance(o, ZeroAcceleratedOptimizer) and not o.engine.closed)]
         try:
             yield
         finally:
@@ -258,7 +256,8 @@ class ZeroAccelerator(Accelerator):
 
         # sync_module_states: every rank starts from rank 0's values, as DDP does.  A model
         # from a partitioned from_pretrained (zero3_init_flag) is filled from its files now.
-        source = self._zero_agreed("partitioned loading", lambda: _pretrained.sources_in(model))
+        source = zero_strategy.run_on_every_rank("zero_config: partitioned loading", lambda: _pretrained.sources_in(model),
+                                                 timeout=self._zero_config_for(model).collective_timeout)
         engine = zero_strategy.initialize(
             model, optimizer, self._zero_config_for(model), sync_module_states=True, device=self.device, pretrained=source
         )
@@ -271,7 +270,6 @@ class ZeroAccelerator(Accelerator):
         if self.is_main_process:
             role = "" if optimizer is not None else f"{type(model).__name__} for evaluation (no optimizer): "
             print(f"zero_strategy: {role}{line}", flush=True)  # nothing else says that ZeRO is on
-        atexit.register(_release_process_group, weakref.ref(engine))
         if engine.config.shards_parameters:
             # transformers' generate() (and a few speech models) then keep every rank
             # stepping until all are done, as the stage-3 all-gathers require.
@@ -280,29 +278,6 @@ class ZeroAccelerator(Accelerator):
         if engine.config.autocast and "_original_forward" not in model.__dict__:
             _outputs_in_fp32(model)
         return engine
-
-    def _zero_agreed(self, what: str, work):
-        """``work()`` on every rank; if it raises on any rank, every rank raises (naming the
-        ranks and their messages) instead of the others waiting in the engine's first
-        collective for a peer that gave up."""
-        error = None
-        try:
-            result = work()
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error, result = exc, None
-        if self.num_processes > 1 and torch.distributed.is_initialized():
-            flag = torch.tensor([1 if error is not None else 0], device=self.device)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-            if flag.item() and error is None:
-                messages = [None] * self.num_processes
-                torch.distributed.all_gather_object(messages, None)
-                failed = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
-                raise RuntimeError(f"zero_config: {what} failed on another rank, so this one stops too: {failed}")
-            if error is not None:
-                torch.distributed.all_gather_object([None] * self.num_processes, f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        return result
 
     def _zero_report_loading(self, model, sources, report) -> None:
         # What the stock from_pretrained would have said about the checkpoint.
@@ -486,7 +461,7 @@ class ZeroAccelerator(Accelerator):
         keeps ``zero_checkpoint/``, the i-th ``zero_checkpoint_<i>/``, i counting every
         engine built (as Accelerate numbers ``model_<i>``), so a script that prepares its
         models in the same order finds each one's state again."""
-        return [(e, _state.subdir_for(i)) for i, e in enumerate(self._zero_engines) if not _is_closed(e)]
+        return [(e, _state.subdir_for(i)) for i, e in enumerate(self._zero_engines) if not e.closed]
 
     def save_state(self, output_dir=None, safe_serialization=True, **save_model_func_kwargs):
         engines = self._zero_checkpointed()
@@ -513,16 +488,12 @@ class ZeroAccelerator(Accelerator):
             _state.load_engine(engine, resolved[-1], subdir)
 
 
-def _is_closed(engine) -> bool:
-    return engine.phase.value == "closed"
-
-
 def _engine_for_loss(engines, loss):
     """With several trained models, ``accelerator.backward(loss)`` runs once through
     autograd whichever engines the loss reaches (each engine's hooks take its own
     gradients); only the fp16 loss scale is per engine, so it needs the one engine the
     loss belongs to."""
-    scaled = [e for e in engines if e.scaler.scale != 1.0]
+    scaled = [e for e in engines if e.loss_scale != 1.0]
     if not scaled:
         return engines[0]  # no loss scale: the first engine's backward is loss.backward()
     reached = _engines_reached(loss, engines)
@@ -550,31 +521,6 @@ def _engines_reached(loss, engines):
             found.append(engine)
         todo.extend(f for f, _ in fn.next_functions)
     return found
-
-
-def _release_process_group(engine_ref) -> None:
-    """At interpreter exit, before finalisation (registered by ZeroAccelerator).
-
-    A gloo worker thread may still hold the last reference to a finished collective
-    whose tensors were created in Python.  If interpreter finalisation has begun when
-    that thread releases it, releasing the tensors needs the GIL, which a finalising
-    interpreter no longer grants: the process aborts with "terminate called without an
-    active exception" after the script has finished.  The engine's many asynchronous
-    collectives make this frequent (4 of 14 stage-3 Trainer runs, even with the core
-    keeping recent work handles; plain DDP runs hit it about once in 30).  Destroying
-    the process group and dropping the engine's reference to it (the engine lives until
-    exit: the core's engine_of registry keeps it) joins those threads while the
-    interpreter is still whole."""
-    try:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        engine = engine_ref()
-        if engine is not None:
-            engine.comm.group = None  # the last reference: the group is destroyed (and joined) now
-        del engine
-        gc.collect()
-    except Exception:  # noqa: BLE001 - exit must not fail because of this
-        pass
 
 
 def _warn_if_processes_are_alone(accelerator) -> None:

@@ -29,8 +29,7 @@ import types
 import torch
 import torch.nn as nn
 
-from zero_strategy import engine_of
-from zero_strategy.guard import is_partitioned
+from zero_strategy import engine_of, is_partitioned
 
 
 def leave_engine_on_conversion(model: nn.Module) -> None:
@@ -59,7 +58,7 @@ def _unchanged_by(engine, fn) -> bool:
     for p in module.parameters():
         if is_partitioned(p):
             return False  # a 1/N slice is not the parameter
-        if p.dtype != engine.orig_dtype_by_id.get(id(p), p.dtype):
+        if p.dtype != engine.original_dtype(p):
             return False  # a 16-bit compute copy of an fp32 master
     for t in list(module.parameters()) + list(module.buffers()):
         if not _same_tensor(t, fn(t)):  # stops at the first tensor that would change

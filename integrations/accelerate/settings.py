@@ -50,7 +50,7 @@ _PRECISION_FROM_ACCELERATE = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def _engine_fields() -> tuple:
-    from zero_strategy.config import ZeroConfig
+    from zero_strategy import ZeroConfig
 
     return tuple(f.name for f in dataclasses.fields(ZeroConfig))
 
@@ -78,7 +78,7 @@ class ZeroSettings:
 
     def zero_config(self, mixed_precision: str):
         """The engine's :class:`ZeroConfig` for accelerate's ``mixed_precision`` value."""
-        from zero_strategy.config import ZeroConfig
+        from zero_strategy import ZeroConfig
 
         check_mixed_precision(mixed_precision)
         precision = _PRECISION_FROM_ACCELERATE[str(mixed_precision or "no").lower()]
@@ -199,7 +199,7 @@ def parse_section(section: Any) -> ZeroSettings:
         if plugin_key in section and core_key in section and str(section[plugin_key]).lower() != str(section[core_key]).lower():
             raise _error(plugin_key, f"{section[plugin_key]!r} disagrees with {core_key}: {section[core_key]!r}; give one of them")
     # Let the core check every value now (with some precision; the real one comes later).
-    from zero_strategy.config import ZeroConfig
+    from zero_strategy import ZeroConfig
 
     try:
         ZeroConfig.from_dict({**engine, "precision": "fp32"})

@@ -38,7 +38,7 @@ def save_engine(engine, folder: str, subdir: str = CHECKPOINT_SUBDIR) -> None:
 
 def load_engine(engine, folder: str, subdir: str = CHECKPOINT_SUBDIR):
     """Collective: every rank restores its shard from ``folder/<subdir>``."""
-    from zero_strategy.checkpoint_files import existing
+    from zero_strategy.checkpoint import existing_checkpoint as existing
 
     directory = os.path.join(folder, subdir)
     # existing() also finds ``zero_checkpoint.old``, where the previous checkpoint is

@@ -74,7 +74,7 @@ def _load_optimizer_and_scheduler(original, self, checkpoint):
     engine = _engine(self)
     if engine is None or checkpoint is None:
         return original(self, checkpoint)
-    from zero_strategy.checkpoint_files import existing
+    from zero_strategy.checkpoint import existing_checkpoint as existing
 
     plain = os.path.join(checkpoint, _OPTIMIZER_NAME)
     if existing(os.path.join(checkpoint, _state.CHECKPOINT_SUBDIR)) is None and os.path.isfile(plain):

@@ -240,35 +240,11 @@ def release_engine(module) -> None:
     Needed when a new optimizer arrives (every ``fit`` calls configure_optimizers) while
     the module is still partitioned by an earlier engine.
 
-    [Note: releasing under mixed precision]
-    ``engine.close(unshard=True)`` hands the parameters back in the engine's compute
-    dtype.  When that is every parameter's original dtype (fp32 training, or a model
-    already in 16-bit) it is exactly the consolidated state, and it is used.  Under
-    bf16/fp16 mixed precision it would round the fp32 master weights (and leave frozen
-    parameters in 16 bits) for the next engine, so there the parameters are restored
-    from the consolidated state dict in their original dtypes instead."""
+    ``engine.close(unshard=True)`` hands every parameter back whole in its original
+    dtype, from the fp32 masters under mixed precision (frozen ones cast back too)."""
     engine = engine_of(module)
-    if engine is None:
-        return
-    compute = engine.config.param_dtype
-    original = engine.orig_dtype_by_id
-    if all(original.get(id(p), p.dtype) == compute for p in module.parameters() if p.is_floating_point()):
+    if engine is not None:
         engine.close(unshard=True)
-        return
-    full = engine.full_state_dict(rank0_only=False)
-    engine.close()
-    device = _engine_device(engine)
-    with torch.no_grad():
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if name in full:
-                p.data = full[name].to(device)
-                p.grad = None
-
-
-def _engine_device(engine) -> torch.device:
-    for p in engine.module.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def setup_line(engine) -> str:
@@ -326,10 +302,9 @@ PRIVATE_KEYS = (STATE_DICT_KEYS, OPTIMIZER_NAMES)
 
 
 def optimizer_order(engine) -> dict:
-    """``{OPTIMIZER_NAMES: {"params": [[name, ...] per group], "param_groups": [...]}}``: the
-    name of every parameter in the optimizer's order (None for one ZeRO holds no optimizer
-    state for) and each group's hyper-parameters as Python has them (the manifest's JSON
-    turns tuples such as Adam's betas into lists); {} without an optimizer.  With several
+    """``{OPTIMIZER_NAMES: {"param_groups": [...]}}``: each group's hyper-parameters as
+    Python has them (the manifest's JSON turns tuples such as Adam's betas into lists),
+    which the consolidated file restores; {} without an optimizer.  With several
     optimizers: ``{OPTIMIZER_NAMES: {"optimizers": [that dict per optimizer]}}``."""
     count = len(engine.inner_optimizers)
     if count == 0:
@@ -347,13 +322,9 @@ def recorded_orders(names) -> list:
 
 
 def _order_of(engine, k: int) -> dict:
-    units = {u.index: u for u in engine.units}
-    names = []
-    for places in engine.param_places_of(k):
-        names.append([None if place is None else units[place[0]].names[place[1]][0] for place in places])
     groups = [{key: v for key, v in g.items() if key != "params" and _plain(v)}
               for g in engine.inner_optimizers[k].param_groups]
-    return {"params": names, "param_groups": groups}
+    return {"param_groups": groups}
 
 
 def _plain(value) -> bool:

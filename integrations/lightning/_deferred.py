@@ -443,20 +443,22 @@ def _use_rank0_random_states(module: nn.Module) -> None:
     """Every rank replays with rank 0's random states (collective).  ddp broadcasts rank
     0's values; so a run whose ranks were seeded differently still gets rank 0's model
     (each rank keeps its own slice of one model, never slices of different ones)."""
-    import torch.distributed as dist
+    from zero_strategy.agreement import communicator
 
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+    comm = communicator()
+    if comm.world_size < 2:
         return
     mine = [(name, getattr(p, RECIPE_ATTR)) for name, p in module.named_parameters()
             if p.is_meta and getattr(p, RECIPE_ATTR, None) is not None]
     shape = [(name, [_name(op[1]) for op in r.ops]) for name, r in mine]
-    payload = [(shape, [[op[4] for op in r.ops] for _, r in mine]) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(payload, src=0)
-    theirs, states = payload[0]
+    theirs, states = comm.broadcast_object((shape, [[op[4] for op in r.ops] for _, r in mine]) if comm.rank == 0 else None,
+                                           label="rank 0's random states for deferred initialisation")
+    error = None
     if theirs != shape:
         diff = next((f"{a} vs rank 0's {b}" for a, b in zip(shape, theirs) if a != b), f"{len(shape)} vs {len(theirs)} parameters")
-        raise ValueError(f"ZeRO stage 3: configure_model / init_module built different parameters on rank {dist.get_rank()} "
-                         f"than on rank 0 ({diff}); every rank must build the same model")
+        error = ValueError(f"ZeRO stage 3: configure_model / init_module built different parameters on rank {comm.rank} "
+                           f"than on rank 0 ({diff}); every rank must build the same model")
+    comm.agree("deferred initialisation", error, error_type=ValueError, own="always")
     for (_, recipe), ranks0 in zip(mine, states):
         recipe.ops = [(*op[:4], state) for op, state in zip(recipe.ops, ranks0)]
 
