@@ -88,7 +88,7 @@ def deepspeed_cpu_adam():
 
 def host_step_systems(numels: list, threads: int):
     """(name, step function) per system over shared flat parameter and gradient buffers."""
-    from zero_strategy.host_step import fused_host_step
+    from zero_strategy.optim.host_step import fused_host_step
 
     n = sum(numels)
     g = torch.Generator().manual_seed(0)

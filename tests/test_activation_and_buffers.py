@@ -68,7 +68,7 @@ def test_activation_checkpointing_cuts_memory_held_for_backward():
 
 
 def test_checkpointed_function_for_hand_written_models():
-    from zero_strategy.activation import checkpointed
+    from zero_strategy.execution.activation import checkpointed
 
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
@@ -148,7 +148,7 @@ def test_offloaded_checkpoints_come_back_one_block_ahead_of_backward():
     """Blocks sharing an OffloadSchedule: every recomputation but the first one of
     backward finds its inputs already brought back, gradients equal the plain run, and
     nothing stays registered after backward."""
-    from zero_strategy.activation import OffloadSchedule, checkpointed
+    from zero_strategy.execution.activation import OffloadSchedule, checkpointed
 
     torch.manual_seed(0)
     blocks = [torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8)) for _ in range(4)]

@@ -116,7 +116,7 @@ def test_auto_units_follow_the_models_blocks():
     and the 7B Llama shape gets its decoder layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from zero_strategy.planner import auto_unit_module_classes
+    from zero_strategy.sharding.planner import auto_unit_module_classes
 
     with torch.device("meta"):
         llama = LlamaForCausalLM(LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,

@@ -12,9 +12,9 @@ import weakref
 import torch
 import torch.nn as nn
 
-from zero_strategy.grad_storage import OwnerSliceGrads, ShardedGrads
-from zero_strategy.layout import FlatLayout
-from zero_strategy.param_shard import ParamShard, ShardState
+from zero_strategy.sharding.grad_storage import OwnerSliceGrads, ShardedGrads
+from zero_strategy.sharding.layout import FlatLayout
+from zero_strategy.sharding.param_shard import ParamShard, ShardState
 
 
 class _Done:
@@ -235,9 +235,9 @@ def test_owner_slice_grads_keep_only_this_ranks_reduced_slice():
 
 def test_reducer_launches_in_fixed_order_whatever_order_gradients_arrive():
     from zero_strategy.config import ZeroConfig
-    from zero_strategy.flat_unit import FlatUnit
+    from zero_strategy.sharding.flat_unit import FlatUnit
     from zero_strategy.policy import Policies
-    from zero_strategy.reducer import GradientReducer
+    from zero_strategy.sharding.reducer import GradientReducer
 
     pol = Policies.from_config(ZeroConfig(stage=2))
     units = [FlatUnit(i, _params(i), [[f"u{i}.{j}"] for j in range(3)], group_index=0, policies=pol, rank=0,

@@ -422,7 +422,7 @@ def test_stage3_prefetch_holds_at_most_the_budget_or_the_next_block_ahead():
     these blocks) at most the running block and the next one are gathered at any time;
     a budget of 0 gathers one at a time; a huge budget gathers everything ahead."""
     import zero_strategy
-    from zero_strategy.gather import ModuleGroup
+    from zero_strategy.sharding.gather import ModuleGroup
 
     def max_gathered(prefetch):
         model = tiny_gpt2(n_layer=4, n_embd=64)

@@ -154,7 +154,7 @@ def _reference(steps_batches, max_norm, ws):
 
 def _misuse_worker(rank, ws):
     import zero_strategy
-    from zero_strategy.misuse import SKIPPED_STEPS_WARNING
+    from zero_strategy.reliability.misuse import SKIPPED_STEPS_WARNING
 
     _warm_up()
     out = {}
@@ -233,7 +233,7 @@ def _misuse_worker(rank, ws):
 
 @pytest.mark.slow
 def test_misuse_that_gave_silent_wrong_numbers_is_an_error_or_made_right_on_every_rank():
-    from zero_strategy.misuse import SKIPPED_STEPS_WARNING
+    from zero_strategy.reliability.misuse import SKIPPED_STEPS_WARNING
 
     for out in run_distributed(_misuse_worker, 2, timeout=180):
         for stage in (0, 1, 2, 3):

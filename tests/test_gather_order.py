@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from models import tiny_gpt2
-from zero_strategy.param_shard import ShardState
+from zero_strategy.sharding.param_shard import ShardState
 
 N_LAYER = 4
 

@@ -116,7 +116,7 @@ def _bert_model():
 def _held_and_grads(build, offload):
     """Device memory held from forward to backward, and the gradients, with
     ``activation_checkpointing: [auto]`` (offloaded or not) or none (``offload=None``)."""
-    from zero_strategy.activation import apply_activation_checkpointing
+    from zero_strategy.execution.activation import apply_activation_checkpointing
 
     model = build()
     undo = apply_activation_checkpointing(model, ["auto"], offload) if offload is not None else []

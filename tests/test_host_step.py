@@ -23,7 +23,7 @@ from dist_harness import run_distributed
 from test_unused_parameters import _batches, _loss, _model
 
 import zero_strategy
-from zero_strategy import host_step
+from zero_strategy.optim import host_step
 
 SPLIT = 3  # steps before the state dict round trip / checkpoint
 NEVER = "moe.experts.2."
@@ -289,7 +289,7 @@ def test_state_in_another_format_falls_back():
 
 def _dist_worker(rank, ws, kinds, configs):
     import zero_strategy as zs
-    from zero_strategy import host_step as hs
+    from zero_strategy.optim import host_step as hs
 
     real, count = hs.fused_host_step, [0]
 

@@ -2,7 +2,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_strategy.layout import FlatLayout, ceil_div, split_into_buckets
+from zero_strategy.sharding.layout import FlatLayout, ceil_div, split_into_buckets
 
 sizes = st.lists(st.integers(min_value=0, max_value=10_000), min_size=1, max_size=40)
 worlds = st.integers(min_value=1, max_value=4096)

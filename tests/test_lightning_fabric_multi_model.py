@@ -45,7 +45,7 @@ def _main(out):
     from torch.utils.data import DataLoader, TensorDataset
 
     from models import ResidualBlock as Block
-    from zero_strategy.guard import PartitionedParameter
+    from zero_strategy.reliability.guard import PartitionedParameter
     from zero_strategy.integrations.lightning.fabric import ZeroFabricStrategy
 
     def build(seed):

@@ -239,7 +239,7 @@ def _record_all_reduce_storages():
 
 
 def _scratch_reduce_worker(rank, ws):
-    from zero_strategy import collectives as C
+    from zero_strategy.communication import collectives as C
 
     seen, restore = _record_all_reduce_storages()
     try:
@@ -271,7 +271,7 @@ def test_gloo_reduce_scatter_runs_in_place_on_a_scratch_bucket_with_header_room(
     path's header and a rider, so the all-reduce standing in for reduce-scatter runs on
     the bucket itself (no second unit-sized buffer); otherwise on a copy. Both give
     gloo's sum, and a rider comes back summed over ranks ([Note: riders])."""
-    from zero_strategy.collectives import HEADER_ROOM
+    from zero_strategy.communication.collectives import HEADER_ROOM
 
     for result in run_distributed(_scratch_reduce_worker, 2):
         assert result[(True, HEADER_ROOM, False)] == (True, True, None), result
@@ -281,7 +281,7 @@ def test_gloo_reduce_scatter_runs_in_place_on_a_scratch_bucket_with_header_room(
 
 
 def _kept_buffer_reduce_worker(rank, ws):
-    from zero_strategy import collectives as C
+    from zero_strategy.communication import collectives as C
 
     seen, restore = _record_all_reduce_storages()
     try:
@@ -328,7 +328,7 @@ def test_gloo_stage_0_1_gradient_buffers_are_reduced_in_place_and_kept():
     and, at stage 0, none back out) and the buffer survives it; a tensor without that
     room, or not declared to have it, is reduced through a copy. Every case gives the
     ranks' sum."""
-    from zero_strategy.collectives import HEADER_ROOM
+    from zero_strategy.communication.collectives import HEADER_ROOM
 
     for result in run_distributed(_kept_buffer_reduce_worker, 2):
         assert result[("reduce_scatter", True)] == (True, True, True), result
@@ -341,10 +341,10 @@ def test_gloo_stage_0_1_gradient_buffers_are_reduced_in_place_and_kept():
 def _in_place_gather_worker(rank, ws):
     import torch.nn as nn
 
-    from zero_strategy import collectives as C
-    from zero_strategy.comm import Communicator
-    from zero_strategy.layout import FlatLayout
-    from zero_strategy.param_shard import ParamShard, ShardState
+    from zero_strategy.communication import collectives as C
+    from zero_strategy.communication.comm import Communicator
+    from zero_strategy.sharding.layout import FlatLayout
+    from zero_strategy.sharding.param_shard import ParamShard, ShardState
 
     seen, sent = [], []
     original, original_broadcast = C.all_gather_tensor, C.dist.broadcast
@@ -406,8 +406,8 @@ def test_gloo_gather_in_flight_holds_only_the_unit_s_own_buffer():
 
 
 def _kept_gather_worker(rank, ws):
-    from zero_strategy import collectives as C
-    from zero_strategy.comm import Communicator
+    from zero_strategy.communication import collectives as C
+    from zero_strategy.communication.comm import Communicator
 
     seen, sent = [], []
     original, original_broadcast = C.all_gather_tensor, C.dist.broadcast

@@ -45,7 +45,7 @@ def _reference():
 
 def _worker(rank, ws, precision, out_dir):
     import zero_strategy
-    from zero_strategy.guard import PartitionedParameterError
+    from zero_strategy.reliability.guard import PartitionedParameterError
 
     model = _gpt2()
     loaded = {k: v.detach().clone() for k, v in model.state_dict().items()}

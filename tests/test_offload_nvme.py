@@ -20,8 +20,8 @@ from test_parity import LOSS_TOL, UPDATE_TOL, _relative_update_error
 
 import zero_strategy
 from zero_strategy import ZeroConfig
-from zero_strategy import disk_offload
-from zero_strategy.disk_offload import MARKER, DiskOffloadError
+from zero_strategy.offload import disk_offload
+from zero_strategy.offload.disk_offload import MARKER, DiskOffloadError
 
 
 _MAPPING = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")

@@ -110,8 +110,8 @@ def test_cut_parameters_travel_to_their_owners_and_are_counted(results):
 @settings(max_examples=60, deadline=None)
 @given(numels=st.lists(st.integers(0, 5000), min_size=1, max_size=12), world=st.integers(1, 1024))
 def test_each_parameter_is_owned_by_a_rank_that_holds_part_of_it(numels, world):
-    from zero_strategy.layout import FlatLayout
-    from zero_strategy.whole_params import assign_owners, pieces_of
+    from zero_strategy.sharding.layout import FlatLayout
+    from zero_strategy.sharding.whole_params import assign_owners, pieces_of
 
     layout = FlatLayout(tuple(numels), world)
     (owners,) = assign_owners([layout])
@@ -130,8 +130,8 @@ def test_each_parameter_is_owned_by_a_rank_that_holds_part_of_it(numels, world):
 def test_cut_parameters_are_dealt_out_by_size():
     """Four equal matrices each cut in two over 2 ranks' worth of boundaries: no rank
     owns all of them."""
-    from zero_strategy.layout import FlatLayout
-    from zero_strategy.whole_params import assign_owners
+    from zero_strategy.sharding.layout import FlatLayout
+    from zero_strategy.sharding.whole_params import assign_owners
 
     layouts = [FlatLayout((10, 100, 10), 2) for _ in range(4)]  # the 100 is cut in every unit
     owners = assign_owners(layouts)
@@ -144,7 +144,7 @@ def test_the_rule_decides_which_optimizers_get_pieces():
     from transformers.optimization import Adafactor
 
     from models import TrustRatioSGD
-    from zero_strategy.optimizer_kinds import is_elementwise, steps_per_parameter
+    from zero_strategy.optim.optimizer_kinds import is_elementwise, steps_per_parameter
 
     p = [torch.nn.Parameter(torch.zeros(2, 2))]
     assert is_elementwise(torch.optim.AdamW(p))

@@ -32,14 +32,14 @@ from hypothesis import strategies as st
 import zero_strategy
 from zero_strategy import config as config_module
 from zero_strategy.config import PRECISIONS, ZeroConfig
-from zero_strategy.layout import FlatLayout, ceil_div, split_into_buckets, total_padding
-from zero_strategy.planner import (
+from zero_strategy.sharding.layout import FlatLayout, ceil_div, split_into_buckets, total_padding
+from zero_strategy.sharding.planner import (
     group_index_of,
     parameter_names,
     plan_partitioned_params,
     plan_replicated_params,
 )
-from zero_strategy.loss_scale import LossScaler
+from zero_strategy.optim.loss_scale import LossScaler
 
 FIELDS = [f.name for f in dataclasses.fields(ZeroConfig)]
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}

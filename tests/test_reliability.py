@@ -357,7 +357,7 @@ def test_checkpoint_from_another_world_size_needs_resharding_allowed(tmp_path):
 
 
 def _kept_gather_diverge_worker(rank, ws):
-    from zero_strategy.comm import Communicator
+    from zero_strategy.communication.comm import Communicator
 
     comm = Communicator(None)
     comm.configure(TIMEOUT, False)
@@ -382,7 +382,7 @@ def test_kept_buffer_gathers_of_different_sizes_fail_on_every_rank_before_any_pa
 
 
 def _in_place_gather_diverge_worker(rank, ws):
-    from zero_strategy.comm import Communicator
+    from zero_strategy.communication.comm import Communicator
 
     comm = Communicator(None)
     comm.configure(TIMEOUT, False)

@@ -12,12 +12,12 @@ from typing import Optional
 from .config import ZeroConfig
 from .estimate import MemoryEstimate, estimate
 from .engine import ZeroEngine, engine_of
-from .materialize import init_context, keep_meta_on_moves
-from .guard import PartitionedParameterError, is_partitioned
-from .comm import CollectiveError
+from .materialize.deferred import init_context, keep_meta_on_moves
+from .reliability.guard import PartitionedParameterError, is_partitioned
+from .communication.comm import CollectiveError
 from . import agreement as _agreement
-from .fingerprint import SetupMismatchError
-from .checkpoint import (CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_optimizer_states,
+from .reliability.fingerprint import SetupMismatchError
+from .checkpoint.directory import (CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_optimizer_states,
                          load_consolidated_state_dict)
 
 from ._version import __version__

@@ -129,7 +129,7 @@ def communicator(process_group=None, timeout: Optional[float] = None):
     """A Communicator over ``process_group`` (default: the initialised default group, or a
     single process) whose waits are bounded by ``timeout`` seconds (default: the
     ``collective_timeout`` default), for agreements made before any engine exists."""
-    from .comm import Communicator
+    from .communication.comm import Communicator
     from .config import ZeroConfig
 
     comm = Communicator(process_group)

@@ -26,28 +26,29 @@ import torch.nn as nn
 
 from . import agreement
 from .accounting import optimizer_state_bytes
-from .activation import apply_activation_checkpointing
-from .comm import Communicator
+from .execution.activation import apply_activation_checkpointing
+from .communication.comm import Communicator
 from .config import ZeroConfig
-from .fingerprint import check_same_setup
-from .flat_unit import FlatUnit
-from .disk_offload import make_disk_offload
-from .gather import ModuleGroup, ParameterGatherer
-from .hooks import cast_floating_inputs, register_hooks
-from .keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
-from .guard import guard_parameters, unguard_parameters
-from .materialize import forget_meta_moves, initialize_deferred, load_pretrained, meta_parameter_ids
-from .optimizer import ZeroOptimizer, repoint_optimizer
-from .optimizer_kinds import is_elementwise
-from .optimizer_set import OptimizerSet, as_optimizer_list
-from .whole_params import assign_owners
-from .loss_scale import LossScaler
-from .misuse import SkipWatch, engine_steps, guard_misuse, route_module_zero_grad
-from .param_shard import ShardState, whole_values
-from .planner import plan_partitioned_params, plan_replicated_params
+from .reliability.fingerprint import check_same_setup
+from .sharding.flat_unit import FlatUnit
+from .offload.disk_offload import make_disk_offload
+from .sharding.gather import ModuleGroup, ParameterGatherer
+from .execution.hooks import cast_floating_inputs, register_hooks
+from .sharding.keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
+from .reliability.guard import guard_parameters, unguard_parameters
+from .materialize.deferred import forget_meta_moves, initialize_deferred, meta_parameter_ids
+from .materialize.pretrained import load_pretrained
+from .optim.optimizer import ZeroOptimizer, repoint_optimizer
+from .optim.optimizer_kinds import is_elementwise
+from .optim.optimizer_set import OptimizerSet, as_optimizer_list
+from .sharding.whole_params import assign_owners
+from .optim.loss_scale import LossScaler
+from .reliability.misuse import SkipWatch, engine_steps, guard_misuse, route_module_zero_grad
+from .sharding.param_shard import ShardState, whole_values
+from .sharding.planner import plan_partitioned_params, plan_replicated_params
 from .policy import Policies
-from .reducer import GradientReducer
-from .stepper import step_units
+from .sharding.reducer import GradientReducer
+from .optim.stepper import step_units
 
 
 # Which engine manages which module.  Weak both ways: the engine holds its module, so a
@@ -168,7 +169,7 @@ class ZeroEngine:
         # Before the model is touched: a keep_gathered_methods name that is not a method fails here.
         methods = methods_to_wrap(model, self.config.keep_gathered_methods) if pol.stage.shards_parameters else []
         # Parameters built inside init_context() live on the meta device until the
-        # units below are filled (materialize.py); decide where they will live.
+        # units below are filled (materialize/); decide where they will live.
         pending = meta_parameter_ids(model)
         self.device = _materialization_device(device, self.comm) if pending else None
         self.orig_dtype_by_id = {id(p): p.dtype for p in model.parameters()}
@@ -975,12 +976,12 @@ class ZeroEngine:
 
     # -- state dicts (see state.py) ------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
-        from .state import full_state_dict
+        from .state_dicts.state import full_state_dict
 
         return full_state_dict(self, rank0_only=rank0_only)
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> None:
-        from .state import load_full_state_dict
+        from .state_dicts.state import load_full_state_dict
 
         load_full_state_dict(self, state_dict, strict=strict)
         self._keep.refresh(self.units)
@@ -991,7 +992,7 @@ class ZeroEngine:
         every rank): what DDP saves, see [Note: torch-format optimizer state] in state.py.
         With several optimizers, ``optimizer`` (an index, or the optimizer) says whose."""
         self._check_open()
-        from .state import full_optimizer_state_dict
+        from .state_dicts.state import full_optimizer_state_dict
 
         return full_optimizer_state_dict(self, rank0_only=rank0_only, optimizer=optimizer)
 
@@ -1000,18 +1001,18 @@ class ZeroEngine:
         for the same parameters); every rank passes the same one.  With several
         optimizers, ``optimizer`` (an index, or the optimizer) says whose it is."""
         self._check_open()
-        from .state import load_full_optimizer_state_dict
+        from .state_dicts.state import load_full_optimizer_state_dict
 
         load_full_optimizer_state_dict(self, state_dict, optimizer=optimizer)
         self._settle_disk()
 
     def state_dict(self) -> dict:
-        from .state import rank_state_dict
+        from .state_dicts.state import rank_state_dict
 
         return rank_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        from .state import load_rank_state_dict
+        from .state_dicts.state import load_rank_state_dict
 
         load_rank_state_dict(self, state_dict)
         self._keep.refresh(self.units)
@@ -1024,10 +1025,10 @@ class ZeroEngine:
         self._keep.refresh(self.units)
         return report
 
-    # -- checkpoints (see checkpoint.py) ---------------------------------------------------------
+    # -- checkpoints (see checkpoint/) ------------------------------------------------------------
     def save_checkpoint(self, directory, client_state: Optional[dict] = None):
         """Collective: write a sharded checkpoint directory atomically."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint.directory import save_checkpoint
 
         try:
             return save_checkpoint(self, directory, client_state=client_state)
@@ -1038,7 +1039,7 @@ class ZeroEngine:
         """Collective: restore from a checkpoint saved at any world size and stage;
         returns the saved ``client_state``, unpickled with ``weights_only`` (default
         True: no code from the file runs; pass False only for a checkpoint you trust)."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint.directory import load_checkpoint
 
         try:
             client_state = load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)

@@ -49,7 +49,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import agreement
+from .. import agreement
 from . import collectives as C
 from .bounded import PeerFailed, WaitTimeout, wait_work
 from .diagnosis import CollectiveError, Reports, build_error, current_api, describe, report_window

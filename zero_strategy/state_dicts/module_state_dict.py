@@ -23,7 +23,7 @@ from typing import List
 
 import torch
 
-from .guard import collecting_state_dict
+from ..reliability.guard import collecting_state_dict
 
 
 def register_state_dict_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:

@@ -21,7 +21,7 @@ full-size gradient never outlives its bucket).
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, List, Tuple
+from typing import Deque, Tuple
 
 import torch
 

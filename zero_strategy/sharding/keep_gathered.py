@@ -38,7 +38,7 @@ import warnings
 import weakref
 from typing import Callable, Iterator, List, Tuple
 
-from .guard import lift_guard, restore_guard
+from ..reliability.guard import lift_guard, restore_guard
 
 
 class KeepGathered:

@@ -23,9 +23,9 @@ import re
 from pathlib import Path
 from typing import Any, Dict
 
-from .checkpoint_files import CheckpointError
-from .dtypes import dtype_from_name
-from .loss_scale import LossScaler
+from .files import CheckpointError
+from ..dtypes import dtype_from_name
+from ..optim.loss_scale import LossScaler
 
 FORMAT = "zero_strategy.checkpoint"
 FORMAT_VERSION = 3

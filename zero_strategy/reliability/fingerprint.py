@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import agreement
+from .. import agreement
 
 _BITS = (1 << 62) - 1
 _SHOWN = 12  # differences listed at most

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
-from .planner import find_unit_module_classes
+from ..sharding.planner import find_unit_module_classes
 
 
 class _Stored:

@@ -10,7 +10,7 @@ from typing import Dict
 
 import torch
 
-from .param_shard import whole_values
+from ..sharding.param_shard import whole_values
 
 STATE_FORMAT = "zero_strategy.rank_state/3"  # 3: optimizer state per parameter piece
 

@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from .autocast_forward import register_autocast
-from .module_state_dict import register_state_dict_hooks
+from ..state_dicts.module_state_dict import register_state_dict_hooks
 
 
 def register_hooks(engine) -> List[torch.utils.hooks.RemovableHandle]:

@@ -3,7 +3,7 @@
 [Note: checkpoint layout]
 A checkpoint is a directory::
 
-    .zero_strategy           written first: marks the directory as ours (checkpoint_files.py)
+    .zero_strategy           written first: marks the directory as ours (files.py)
     manifest.json            written by rank 0, last: describes every tensor and file
     rank00000.safetensors    one per rank: that rank's slices (values, fp32 master,
     rank00001.safetensors    per-element optimizer state) plus per-parameter scalar
@@ -26,7 +26,7 @@ The manifest (format version 2) lists every file with its size and CRC-32, compu
 while the file streams out, and a random ``checkpoint_id`` of the save.  Each rank
 file's safetensors header (and its JSON sidecar) records its rank, the world size,
 the checkpoint id and the layout digest ([Note: layout digest] in
-checkpoint_manifest.py).  Loading validates the manifest's structure and arithmetic
+manifest.py).  Loading validates the manifest's structure and arithmetic
 before opening anything else, then verifies every file (each by one rank, round robin)
 before the engine is touched: renamed, swapped, mixed-in, truncated or flipped files
 and edited layouts are CheckpointErrors naming the file, on every rank.
@@ -53,12 +53,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .disk_offload import is_offload_directory
-from . import checkpoint_files as files
-from .checkpoint_files import CheckpointError
-from .checkpoint_files import existing as existing_checkpoint
-from .checkpoint_manifest import FORMAT, FORMAT_VERSION, layout_digest, rank_file_names, validate
-from .dtypes import dtype_from_name, dtype_name, precision_dtype
+from ..offload.disk_offload import is_offload_directory
+from . import files as files
+from .files import CheckpointError
+from .files import existing as existing_checkpoint
+from .manifest import FORMAT, FORMAT_VERSION, layout_digest, rank_file_names, validate
+from ..dtypes import dtype_from_name, dtype_name, precision_dtype
 from .safetensors_io import StreamingSafetensorsWriter
 
 MANIFEST = files.MANIFEST
@@ -110,7 +110,7 @@ def _layout(engine) -> Tuple[list, list]:
 
 
 def _manifest(engine, units: list, tensors: list, checkpoint_id: str, table: dict) -> dict:
-    from ._version import __version__
+    from .._version import __version__
 
     cfg = engine.config
     saved = [_optimizer_entry(engine, k) for k in range(len(engine.inner_optimizers))]

@@ -46,7 +46,6 @@ import os
 import secrets
 import socket
 import sys
-import threading
 import time
 import warnings
 import weakref

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from .collectives import HEADER_ROOM
+from ..communication.collectives import HEADER_ROOM
 from .layout import FlatLayout
 from .param_shard import _nbytes
 

@@ -66,7 +66,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from .guard import set_guard
+from ..reliability.guard import set_guard
 from .param_shard import ShardState
 
 log = logging.getLogger("zero_strategy")

@@ -30,7 +30,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from .param_shard import ShardState
+from ..sharding.param_shard import ShardState
 
 
 class PartitionedParameterError(RuntimeError):

@@ -36,7 +36,7 @@ import torch.nn as nn
 from .grad_storage import grad_storage_for
 from .layout import FlatLayout
 from .param_shard import ParamShard, ShardState
-from .policy import Policies
+from ..policy import Policies
 from .whole_params import WholeParams
 
 

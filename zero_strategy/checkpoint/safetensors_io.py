@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .dtypes import safetensors_code
+from ..dtypes import safetensors_code
 
 
 class StreamingSafetensorsWriter:
