@@ -12,7 +12,7 @@ One invocation prints three tables, each with its systems side by side:
      fused host step;
    * ``foreach over views`` - the same with ``foreach=True``;
    * ``fused flat runs`` - the default ``host_optimizer_step="fused"``: zero_strategy's
-     :func:`zero_strategy.host_step.fused_host_step` on a unit made of those views;
+     :func:`zero_strategy.optim.host_step.fused_host_step` on a unit made of those views;
    * ``DeepSpeedCPUAdam`` - DeepSpeed's vectorised CPU Adam over the flat buffer, where
      it imports and builds (``PYTHONPATH=.deepspeed``; the reason is printed otherwise).
    Medians over ``--repeats`` steps, the systems interleaved step by step.

@@ -360,7 +360,7 @@ def _build_partitioned(klass, name, folder, kwargs):
         dtype = getattr(torch, dtype)
     if dtype is not None:
         build_kwargs["dtype"] = dtype
-    with zero_strategy.init_context():
+    with zero_strategy.init_context(record=False):  # every value comes from the checkpoint (or its initialiser)
         model = klass._from_config(config, **build_kwargs)
     # Which file tensor fills which parameter is decided now, by the names the stock
     # loader would match, and kept by object: wrappers added before prepare (PEFT) may

@@ -91,15 +91,15 @@ def test_agreement_returns_values_compares_and_broadcasts():
 
 def _deferred_with_a_different_model_on_rank_1(rank, world_size):
     import zero_strategy
-    from zero_strategy.integrations.lightning import _deferred
+    from zero_strategy.agreement import communicator
+    from zero_strategy.materialize import recording as _deferred
 
-    torch_register = nn.Module.register_parameter
-    with zero_strategy.init_context(), _deferred.recording(torch_register):
+    with zero_strategy.init_context():
         layers = [nn.Linear(4, 3), nn.Linear(3, 2)] + ([nn.Linear(2, 2)] if rank == 1 else [])
         model = nn.Sequential(*layers)
     start = time.monotonic()
     try:
-        _deferred._use_rank0_random_states(model)
+        _deferred._use_rank0_random_states(model, communicator(timeout=BOUND))
     except ValueError as exc:
         return {"text": str(exc), "seconds": time.monotonic() - start}
     return {"text": None, "seconds": time.monotonic() - start}

@@ -102,7 +102,7 @@ def _built(build, seed=0):
 def _replayed(p):
     import torch
 
-    from zero_strategy.integrations.lightning._deferred import RECIPE_ATTR, _replay_into
+    from zero_strategy.materialize.recording import RECIPE_ATTR, _replay_into
 
     out = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype))
     _replay_into(out, getattr(p, RECIPE_ATTR))
@@ -150,7 +150,7 @@ def test_a_value_that_cannot_be_replayed_is_an_error_naming_it():
     import torch
     from torch import nn
 
-    from zero_strategy.integrations.lightning._deferred import check_replayable
+    from zero_strategy.materialize.recording import check_replayable
 
     def build():
         m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -38,6 +38,7 @@ from .sharding.keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
 from .reliability.guard import guard_parameters, unguard_parameters
 from .materialize.deferred import forget_meta_moves, initialize_deferred, meta_parameter_ids
 from .materialize.pretrained import load_pretrained
+from .materialize.recording import plan_replay, replaying
 from .optim.optimizer import ZeroOptimizer, repoint_optimizer
 from .optim.optimizer_kinds import is_elementwise
 from .optim.optimizer_set import OptimizerSet, as_optimizer_list
@@ -181,6 +182,9 @@ class ZeroEngine:
         check_same_setup(self.comm, model, optimizer, self.config, sync_module_states=sync_module_states, pretrained=pretrained)
         if sync_module_states and self.comm.world_size > 1:
             _broadcast_from_rank0(model, self.comm, skip=pending)
+        # Parameters recorded by init_context get an eager build's values, replayed below
+        # ([Note: recorded initialisation] in materialize/recording.py).
+        replay = plan_replay(model, self.comm) if pending and self.device.type != "meta" else None
 
         shards_parameters = pol.stage.shards_parameters
         plan = (plan_partitioned_params if shards_parameters else plan_replicated_params)(model, optimizer, self.config)
@@ -273,10 +277,11 @@ class ZeroEngine:
 
         if pending and self.device.type != "meta":
             forget_meta_moves(model)
-            if pretrained is not None:
-                self.last_load_report = load_pretrained(self, pretrained, pending)
-            else:
-                initialize_deferred(self, pending)
+            with replaying(replay):
+                if pretrained is not None:
+                    self.last_load_report = load_pretrained(self, pretrained, pending)
+                else:
+                    initialize_deferred(self, pending)
         elif pretrained is not None:
             self.last_load_report = load_pretrained(self, pretrained)
         if shards_parameters:

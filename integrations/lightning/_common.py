@@ -187,22 +187,19 @@ def initialize_engine(module, optimizer, config, device=None):
     Parameters still on the meta device are materialised by the engine directly into
     shards on ``device``: those deferred by :func:`partitioned_init` get the values an
     eager build gives them (their recorded initialisation, replayed with rank 0's random
-    states, see ``_deferred``); others (modules built on the meta device elsewhere) from
+    states, see zero_strategy/materialize/recording.py); others (modules built on the meta device elsewhere) from
     each module's initialiser (or the innermost enclosing ``_init_weights``)."""
     import zero_strategy
 
     from .. import pretrained
 
-    from ._deferred import replaying
-
     release_engine(module)
     # transformers models loaded in configure_model (stage 3) come unallocated, with the
-    # folder to read each rank's slices from.
+    # folder to read each rank's slices from.  Parameters deferred by partitioned_init
+    # get the values recorded while they were built, exactly an eager build's
+    # (zero_strategy.init_context records them; the engine replays them).
     sources = pretrained.sources_in(module) if has_meta_parameters(module) else None
-    # Parameters deferred by partitioned_init get the values recorded while they were
-    # built, exactly an eager build's ([Note: recorded initialisation] in _deferred).
-    with replaying(module):
-        return zero_strategy.initialize(module, optimizer, config, device=device, sync_module_states=True, pretrained=sources)
+    return zero_strategy.initialize(module, optimizer, config, device=device, sync_module_states=True, pretrained=sources)
 
 
 @contextmanager
@@ -211,24 +208,20 @@ def partitioned_init(config):
     materialises them partitioned, so no rank ever holds the whole model.  Stages 0-2
     keep every parameter on every rank anyway: build normally (then rank 0's values
     are broadcast, as DDP does)."""
-    from . import _deferred
+    import zero_strategy
+    from zero_strategy.materialize import in_init_context
 
-    if config.stage == 3 and _deferred.active():
+    if config.stage == 3 and in_init_context():
         yield  # nested (Lightning enters tensor_init_context, then model_sharded_context): already on
     elif config.stage == 3:
-        import torch.nn as nn
-
-        import zero_strategy
-
         from .. import pretrained
 
         # from_pretrained inside: partitioned too (when transformers is in use at all;
         # otherwise importing it here would cost every user its import time).
         loading = pretrained.partitioned_loading() if "transformers" in sys.modules else contextlib.nullcontext()
-        torch_register = nn.Module.register_parameter
-        # What the parameters deferred here get at set-up: what they got while being
-        # built, recorded ([Note: recorded initialisation] in _deferred).
-        with zero_strategy.init_context(), loading, _deferred.recording(torch_register):
+        # init_context records how each deferred parameter got its values, which the
+        # engine replays ([Note: recorded initialisation] in zero_strategy/materialize/recording.py).
+        with zero_strategy.init_context(), loading:
             yield
     else:
         yield

@@ -27,12 +27,44 @@ import torch
 import torch.nn as nn
 
 from ..sharding.param_shard import set_parameter_data
+from . import recording
 
 
 @contextlib.contextmanager
-def init_context() -> Iterator[None]:
+def init_context(record: bool = True) -> Iterator[None]:
     """Parameters created inside are placed on the meta device; pass the model to
-    ``zero_strategy.initialize`` to materialise them partitioned."""
+    ``zero_strategy.initialize`` to materialise them partitioned.
+
+    With ``record`` (the default) how each parameter got its values while it was built
+    is recorded and replayed at ``initialize`` with rank 0's random states, so the model
+    gets exactly the values an eager build from the same seed gives it, and the random
+    stream after the context is the eager build's too ([Note: recorded initialisation]
+    in recording.py).  ``record=False`` skips that work where every value comes from a
+    checkpoint (a partitioned ``from_pretrained``).  Re-entrant: inside an active
+    context a nested one adds nothing, except that a nested ``record=False`` defers what
+    is registered inside it unrecorded (moved to meta before the recording sees it)."""
+    if recording.active() and not record:
+        with _meta_registration():
+            yield
+        return
+    if recording.active() or _deferring:
+        yield
+        return
+    torch_register = nn.Module.register_parameter
+    with _meta_registration(), (recording.recording(torch_register) if record else contextlib.nullcontext()):
+        yield
+
+
+def in_init_context() -> bool:
+    """Whether an :func:`init_context` is active."""
+    return bool(_deferring) or recording.active()
+
+
+_deferring: list = []  # non-empty while parameters are being moved to meta
+
+
+@contextlib.contextmanager
+def _meta_registration() -> Iterator[None]:
     original = nn.Module.register_parameter
 
     def register_parameter(module, name, param):
@@ -45,9 +77,11 @@ def init_context() -> Iterator[None]:
         original(module, name, param)
 
     nn.Module.register_parameter = register_parameter
+    _deferring.append(True)
     try:
         yield
     finally:
+        _deferring.pop()
         nn.Module.register_parameter = original
 
 

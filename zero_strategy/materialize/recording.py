@@ -1,10 +1,11 @@
 """Deferred parameters (stage 3) that get exactly the values an eager build gives them.
 
 [Note: recorded initialisation]
-Under stage 3 ``configure_model`` / ``init_module`` run inside ``zero_strategy.init_context()``:
-every parameter is moved to the meta device as it is registered, and the core later
-initialises it by running its module's ``reset_parameters()`` and the enclosing
-``_init_weights``.  That replay is not what an eager build (``strategy="ddp"``) does:
+Inside ``zero_strategy.init_context()`` (which Lightning's ``configure_model`` /
+``init_module`` run in at stage 3) every parameter is moved to the meta device as it is
+registered.  Initialising it later by running its module's ``reset_parameters()`` and
+the enclosing ``_init_weights`` is not what an eager build (``strategy="ddp"``, or the
+same code without the context) does:
 
 * whatever else wrote the parameter while it was being built is lost -- PEFT's LoRA
   initialisation (``zeros_(lora_B)``, ``kaiming_uniform_(lora_A)``), any
@@ -15,7 +16,7 @@ initialises it by running its module's ``reset_parameters()`` and the enclosing
   ``post_init``; the replay interleaves them per module), and at set-up rather than in
   ``configure_model``, so even the untouched values differ.
 
-So the integration records instead of guessing.  While the context is active, a torch
+So init_context records instead of guessing.  While the context is active, a torch
 function mode sees every operation: each parameter deferred to meta gets a recipe --
 how it was created (uninitialised, or filled with a constant) and every in-place
 operation later applied to it or to a view of it (``torch.nn.init``'s functions as whole
@@ -431,21 +432,18 @@ def check_replayable(module: nn.Module) -> None:
             bad.append(f"{name} ({recipe.problem})")
     if bad:
         raise ValueError(
-            f"ZeRO stage 3: {len(bad)} parameter(s) created deferred (configure_model / init_module) were written "
+            f"ZeRO stage 3: {len(bad)} parameter(s) created deferred (inside zero_strategy.init_context, or Lightning's configure_model / init_module) were written "
             "while being built in a way their values cannot be reproduced at set-up: " + "; ".join(bad[:10])
             + (" ..." if len(bad) > 10 else "") + ". Initialise them with in-place operations on the parameter itself "
-            "(nn.init.*, fill_, mul_, ...), or build this module outside configure_model / init_module (it is then "
+            "(nn.init.*, fill_, mul_, ...), or build this module outside that context (it is then "
             "partitioned at set-up with its values), or use a stage below 3"
         )
 
 
-def _use_rank0_random_states(module: nn.Module) -> None:
+def _use_rank0_random_states(module: nn.Module, comm) -> None:
     """Every rank replays with rank 0's random states (collective).  ddp broadcasts rank
     0's values; so a run whose ranks were seeded differently still gets rank 0's model
     (each rank keeps its own slice of one model, never slices of different ones)."""
-    from zero_strategy.agreement import communicator
-
-    comm = communicator()
     if comm.world_size < 2:
         return
     mine = [(name, getattr(p, RECIPE_ATTR)) for name, p in module.named_parameters()
@@ -456,26 +454,39 @@ def _use_rank0_random_states(module: nn.Module) -> None:
     error = None
     if theirs != shape:
         diff = next((f"{a} vs rank 0's {b}" for a, b in zip(shape, theirs) if a != b), f"{len(shape)} vs {len(theirs)} parameters")
-        error = ValueError(f"ZeRO stage 3: configure_model / init_module built different parameters on rank {comm.rank} "
+        error = ValueError(f"ZeRO stage 3: init_context (configure_model / init_module) built different parameters on rank {comm.rank} "
                            f"than on rank 0 ({diff}); every rank must build the same model")
     comm.agree("deferred initialisation", error, error_type=ValueError, own="always")
     for (_, recipe), ranks0 in zip(mine, states):
         recipe.ops = [(*op[:4], state) for op, state in zip(recipe.ops, ranks0)]
 
 
-@contextlib.contextmanager
-def replaying(module: nn.Module):
-    """While the engine materialises ``module``: each module's ``reset_parameters`` (what
-    the core runs for its deferred parameters) replays the recipes of its recorded
-    parameters (after the module's own initialiser when it also has unrecorded ones), and
-    ``_init_weights`` is skipped where everything it could write is recorded, else run
-    and followed by the replay of what it overwrote."""
-    check_replayable(module)
-    _use_rank0_random_states(module)
-    installed = []  # (object, attribute)
+def plan_replay(module: nn.Module, comm):
+    """Collective, before the engine allocates anything: refuse (on every rank) what
+    cannot be replayed, take rank 0's random states, and note which deferred parameters
+    have recipes; the plan is what :func:`replaying` installs."""
+    error = None
+    try:
+        check_replayable(module)
+    except ValueError as exc:  # agreed: every rank stops, none waits in the next collective
+        error = exc
+    comm.agree("deferred initialisation", error, error_type=ValueError, own="always")
+    _use_rank0_random_states(module, comm)
     recipes = {id(p): (p, getattr(p, RECIPE_ATTR)) for p in module.parameters()
                if p.is_meta and getattr(p, RECIPE_ATTR, None) is not None}
     unrecorded = {id(p) for p in module.parameters() if p.is_meta and id(p) not in recipes}
+    return module, recipes, unrecorded
+
+
+@contextlib.contextmanager
+def replaying(plan):
+    """While the engine materialises the planned module: each module's
+    ``reset_parameters`` (what the core runs for its deferred parameters) replays the
+    recipes of its recorded parameters (after the module's own initialiser when it also
+    has unrecorded ones), and ``_init_weights`` is skipped where everything it could
+    write is recorded, else run and followed by the replay of what it overwrote."""
+    module, recipes, unrecorded = plan
+    installed = []  # (object, attribute)
     if not recipes:
         yield
         return
@@ -528,8 +539,8 @@ def replaying(module: nn.Module):
             torch.cuda.set_rng_state_all(cuda_states)
         for obj, attr in installed:
             obj.__dict__.pop(attr, None)
-        for p in module.parameters():
-            if getattr(p, RECIPE_ATTR, None) is not None and not p.is_meta:
+        for p, _ in recipes.values():
+            if getattr(p, RECIPE_ATTR, None) is not None:
                 try:
                     delattr(p, RECIPE_ATTR)
                 except AttributeError:
