@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 from .bounded import BoundedStore, StoreUnavailable
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # zero_strategy/
 REPORT_WINDOW = 5.0  # seconds, at most: how long a failing rank waits for the others' reports
 STORE_OP_TIMEOUT = 1.0  # seconds, at most, for one store call
 
@@ -62,7 +62,7 @@ def _api_name(filename: str, func: str) -> str:
         return f"ZeroOptimizer.{func}()"
     if module == "misuse" and "clip" in func:
         return "torch.nn.utils.clip_grad_norm_()"
-    if module == "__init__":
+    if module == "__init__" and os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR:
         return f"zero_strategy.{func}()"
     return f"zero_strategy.{module}.{func}()"
 
@@ -70,7 +70,8 @@ def _api_name(filename: str, func: str) -> str:
 def current_api() -> Optional[str]:
     """The outermost zero_strategy function on this thread's stack: the API the user called."""
     for frame in traceback.extract_stack()[:-1]:
-        if os.path.dirname(os.path.abspath(frame.filename)) == _PACKAGE_DIR:
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_PACKAGE_DIR + os.sep):  # any file of the core, in any of its packages
             return _api_name(frame.filename, frame.name)
     return None
 

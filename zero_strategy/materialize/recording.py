@@ -368,6 +368,11 @@ def recording(torch_register):
     finally:
         _active = None
         nn.Module.register_parameter = core_register
+        # Its weak references to the parameters go now, not whenever a reference cycle is
+        # collected: torch.utils.swap_tensors (materialising a meta parameter) refuses a
+        # tensor that still has a weak reference.
+        for table in (recorder.created, recorder.tracked, recorder.aliases, recorder.derived):
+            table.clear()
         for table, key, original in reversed(patched):
             table[key] = original
 
