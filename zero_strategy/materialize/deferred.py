@@ -118,8 +118,8 @@ def meta_parameter_ids(model: nn.Module) -> Set[int]:
     return {id(p) for p in model.parameters() if p.device.type == "meta"}
 
 
-def _locate(engine) -> Dict[int, tuple]:
-    return {id(p): (u, i) for u in engine.units for i, p in enumerate(u.params)}
+def _locate(sharded) -> Dict[int, tuple]:
+    return {id(p): (u, i) for u in sharded.units for i, p in enumerate(u.params)}
 
 
 def _clear_init_flags(module: nn.Module) -> None:
@@ -179,14 +179,14 @@ def _post_order(module: nn.Module):
     yield module
 
 
-def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = None) -> None:
+def initialize_deferred(sharded, pending: Set[int], only: Optional[Set[int]] = None) -> None:
     """Initialise deferred parameters one granule at a time (see the note above).
 
     ``only`` restricts the work to those parameter ids (the ones a pretrained file did
     not provide); the rest of ``pending`` is left for the caller."""
-    model, device = engine.module, engine.device
-    where = _locate(engine)
-    untouched = {id(p) for p in engine.untouched.values()}
+    model, device = sharded.module, sharded.device
+    where = _locate(sharded)
+    untouched = {id(p) for p in sharded.untouched.values()}
     todo = set(pending if only is None else only)
     initialiser = _initialisers(model)
     for granule in _granules(model, todo):
@@ -199,7 +199,7 @@ def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = No
         views = {}
         for p in params:
             views[id(p)] = p.data
-            dtype = where[id(p)][0].orig_dtypes[where[id(p)][1]] if id(p) in where else engine.orig_dtype_by_id.get(id(p), p.dtype)
+            dtype = where[id(p)][0].orig_dtypes[where[id(p)][1]] if id(p) in where else sharded.orig_dtype_by_id.get(id(p), p.dtype)
             set_parameter_data(p, torch.empty(p.shape, dtype=dtype, device=device))
         with torch.no_grad():
             # Children before parents, as transformers' own apply() does.
@@ -225,6 +225,6 @@ def initialize_deferred(engine, pending: Set[int], only: Optional[Set[int]] = No
                 unit.params_store.write(i, p.data.reshape(-1))
                 p.data = views[id(p)]
             elif id(p) in untouched:
-                p.data = p.data.to(engine.policies.precision.compute_dtype) if p.is_floating_point() else p.data
+                p.data = p.data.to(sharded.policies.precision.compute_dtype) if p.is_floating_point() else p.data
             todo.discard(id(p))
             pending.discard(id(p))

@@ -66,14 +66,14 @@ def _read_whole(source) -> torch.Tensor:
         return h.get_tensor(source[1])
 
 
-def _load_bound(engine, bound: BoundWeights, pending: Optional[Set[int]]) -> Dict[str, list]:
+def _load_bound(sharded, bound: BoundWeights, pending: Optional[Set[int]]) -> Dict[str, list]:
     """``load_pretrained`` for tensors bound to parameter objects (see :func:`bind`):
     every bound tensor is read into its parameter's shard; the parameters the
     checkpoints do not hold are initialised by the model's initialisers; parameters that
     already hold values (e.g. adapters added after loading) keep them."""
     pending = pending if pending is not None else set()
     missing = []
-    for unit in engine.units:
+    for unit in sharded.units:
         for i, p in enumerate(unit.params):
             source = bound.params.get(id(p))
             if source is None:
@@ -83,37 +83,37 @@ def _load_bound(engine, bound: BoundWeights, pending: Optional[Set[int]]) -> Dic
             _write_owned_slice(unit, i, source)
             pending.discard(id(p))
     with torch.no_grad():
-        for name, p in engine.untouched.items():
+        for name, p in sharded.untouched.items():
             source = bound.params.get(id(p))
             if source is None:
                 if id(p) in bound.initialise:
                     missing.append(name)
                 continue
             if p.device.type == "meta":
-                set_parameter_data(p, torch.empty(p.shape, dtype=engine.policies.precision.compute_dtype, device=engine.device))
+                set_parameter_data(p, torch.empty(p.shape, dtype=sharded.policies.precision.compute_dtype, device=sharded.device))
             p.copy_(_read_whole(source))
             pending.discard(id(p))
         for module, attr, file, key in bound.buffers:
             module._buffers[attr].copy_(_read_whole((file, key)))
     if pending:
-        initialize_deferred(engine, pending)
+        initialize_deferred(sharded, pending)
     return {"missing": missing, "unexpected": list(bound.unexpected)}
 
 
-def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[str, list]:
-    """Fill the engine's parameters from safetensors weights, each rank reading only
+def load_pretrained(sharded, path, pending: Optional[Set[int]] = None) -> Dict[str, list]:
+    """Fill the sharded model's parameters from safetensors weights, each rank reading only
     what it keeps; parameters missing from the files are initialised reproducibly
     (deferred ones) or left as they are.  ``path``: a file, a directory, or a mapping
     ``{submodule name: file or directory}``, or :class:`BoundWeights` (from :func:`bind`).  Returns ``{"missing": [...], "unexpected": [...]}``."""
     if isinstance(path, BoundWeights):
-        return _load_bound(engine, path, pending)
+        return _load_bound(sharded, path, pending)
     files = _sources(path)
-    buffer_names = [n for n, _ in engine.module.named_buffers()]
-    model_names = [n for u in engine.units for names in u.names for n in names] + list(engine.untouched) + buffer_names
+    buffer_names = [n for n, _ in sharded.module.named_buffers()]
+    model_names = [n for u in sharded.units for names in u.names for n in names] + list(sharded.untouched) + buffer_names
     key_of = _key_resolver(model_names, files)
     used, missing = set(), []
     not_provided: Set[int] = set()
-    for unit in engine.units:
+    for unit in sharded.units:
         for i, names in enumerate(unit.names):
             key = next((key_of(n) for n in names if key_of(n) is not None), None)
             if key is None:
@@ -123,18 +123,18 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
             used.add(key)
             _write_owned_slice(unit, i, files[key])
     with torch.no_grad():
-        for name, p in engine.untouched.items():
+        for name, p in sharded.untouched.items():
             key = key_of(name)
             if key is not None:
                 if p.device.type == "meta":
-                    set_parameter_data(p, torch.empty(p.shape, dtype=engine.policies.precision.compute_dtype, device=engine.device))
+                    set_parameter_data(p, torch.empty(p.shape, dtype=sharded.policies.precision.compute_dtype, device=sharded.device))
                     (pending or set()).discard(id(p))
                 p.copy_(_read_whole(files[key]))
                 used.add(key)
             else:
                 missing.append(name)
                 not_provided.add(id(p))
-        for name, b in engine.module.named_buffers():
+        for name, b in sharded.module.named_buffers():
             key = key_of(name)
             if key is not None:
                 b.copy_(_read_whole(files[key]))
@@ -143,6 +143,6 @@ def load_pretrained(engine, path, pending: Optional[Set[int]] = None) -> Dict[st
         provided = pending - not_provided
         pending -= provided
         if pending:
-            initialize_deferred(engine, pending)
+            initialize_deferred(sharded, pending)
     unexpected = sorted(set(files) - used)
     return {"missing": missing, "unexpected": unexpected}

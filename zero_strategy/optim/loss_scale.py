@@ -2,11 +2,14 @@
 
 The loss scaler only holds numbers; the engine decides when to consult it, and the
 overflow flag it sees has already been agreed on by every rank (so all ranks skip the
-same steps and keep identical scales).
+same steps and keep identical scales).  ``raise_at_min_loss_scale`` is the one
+collective here: the error when the scale cannot go lower.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -88,3 +91,26 @@ class LossScaler:
             raise ValueError(f"loss scaler state 'scale' must be a positive number, got {values.get('scale')!r}")
         for k, v in values.items():
             setattr(self, k, v)
+
+
+def raise_at_min_loss_scale(sharded, scaler: LossScaler, step: int) -> None:
+    """Collective.  fp16 overflowed with the scale already at its floor: raise, naming
+    the parameters whose gradients hold inf/NaN on any rank."""
+    local = []
+    for u in sharded.trainable_units:
+        g = u.grads.reduced()
+        if bool(torch.isfinite(g).all()):
+            continue
+        bad = (~torch.isfinite(g)).nonzero().reshape(-1)
+        lo = u.params_store.lo  # the shard's first element within the unit
+        for i, (off, n) in enumerate(zip(u.layout.offsets, u.layout.numels)):
+            if bool(((bad + lo >= off) & (bad + lo < off + n)).any()):
+                local.append(u.names[i][0])
+    names = sorted({n for part in sharded.comm.all_gather_object(local, "overflow report") for n in part})
+    shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    raise FloatingPointError(
+        f"fp16 gradients overflowed at step {step} while the loss scale is already at "
+        f"min_loss_scale={scaler.min_scale:g}: the scale cannot go lower, so training would only keep "
+        f"skipping steps. Parameters with inf/NaN gradients: {shown or '(none found after unscaling)'}. "
+        "Lower the learning rate, use bf16, or set on_min_loss_scale='skip' to keep skipping."
+    )

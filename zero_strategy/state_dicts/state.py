@@ -3,6 +3,10 @@
 Consolidation gathers one unit at a time (memory bounded by the largest unit, not the
 model) and takes trainable values from the fp32 master, so nothing is lost to the
 16-bit compute copy; values are returned in each parameter's original dtype.
+
+The consolidated model and optimizer functions need only how the model was cut (the
+engine passes its ShardedModel); the rank state dict also holds the step counter and
+the loss scale, so it takes the engine.
 """
 from __future__ import annotations
 
