@@ -14,6 +14,7 @@ from .estimate import MemoryEstimate, estimate
 from .engine import ZeroEngine, engine_of
 from .materialize.deferred import init_context, keep_meta_on_moves
 from .reliability.guard import PartitionedParameterError, is_partitioned
+from .reliability.misuse import engine_for_parameters
 from .communication.comm import CollectiveError
 from . import agreement as _agreement
 from .reliability.fingerprint import SetupMismatchError
@@ -90,6 +91,7 @@ __all__ = [
     "ZeroEngine",
     "initialize",
     "engine_of",
+    "engine_for_parameters",
     "estimate",
     "MemoryEstimate",
     "init_context",

@@ -383,35 +383,6 @@ class ZeroAccelerator(Accelerator):
         with Accelerator.trigger_sync_in_backward(model):
             yield
 
-    def _zero_engine_for_parameters(self, parameters):
-        parameters = list(parameters)
-        given = {id(p) for p in parameters}
-        touched = []
-        for engine in self._zero_trained_engines():
-            trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
-            if given & trainable:
-                touched.append((engine, trainable))
-        if not touched:
-            return None, parameters
-        if len(touched) > 1:
-            names = ", ".join(type(e.module).__name__ for e, _ in touched)
-            raise ValueError(
-                f"zero_config: these parameters belong to several models, each on its own ZeroEngine ({names}); "
-                "clip each model's gradients in a call of its own (accelerator.clip_grad_norm_(model.parameters(), ...))"
-            )
-        engine, trainable = touched[0]
-        if trainable <= given:
-            return engine, None
-        # Exactly one optimizer's parameters (several optimizers): clipped as that group,
-        # as stock Accelerate clips the parameters it is given.
-        for k in range(len(engine.optimizers)):
-            if len(engine.optimizers) > 1 and given & trainable == {id(p) for p in engine.parameters_of(k)}:
-                return engine, k
-        raise ValueError(
-            "zero_config: gradient clipping acts on all of the model's gradients at once (they are "
-            "partitioned across ranks), or on all of one of its optimizers'; pass model.parameters()"
-        )
-
     def _zero_outside_sync(self, what: str) -> bool:
         if self.sync_gradients:
             return False
@@ -425,7 +396,9 @@ class ZeroAccelerator(Accelerator):
         return True
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        engine, which = self._zero_engine_for_parameters(parameters)
+        import zero_strategy
+
+        engine, which = zero_strategy.engine_for_parameters(parameters, "accelerator.clip_grad_norm_")
         if engine is None:
             return super().clip_grad_norm_(which, max_norm, norm_type=norm_type)
         if self._zero_outside_sync("clip_grad_norm_"):
@@ -433,7 +406,9 @@ class ZeroAccelerator(Accelerator):
         return engine.clip_grad_norm_(max_norm, norm_type, optimizer=which)
 
     def clip_grad_value_(self, parameters, clip_value):
-        engine, which = self._zero_engine_for_parameters(parameters)
+        import zero_strategy
+
+        engine, which = zero_strategy.engine_for_parameters(parameters, "accelerator.clip_grad_value_")
         if engine is None:
             return super().clip_grad_value_(which, clip_value)
         if self._zero_outside_sync("clip_grad_value_"):

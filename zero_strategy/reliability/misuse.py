@@ -153,11 +153,13 @@ def _open_engine(p):
     return eng if eng is not None and eng.phase.value != "closed" else None
 
 
-def _engine_for(parameters, what: str):
-    """``(engine, which)``: the open engine whose trainable parameters, or one of whose
-    optimizers' parameters, are exactly the trainable ones among ``parameters`` (``which``:
-    None for all of them, else the optimizer's index); ``(None, the tensors)`` when none of
-    them is managed by an open engine."""
+def engine_for_parameters(parameters, what: str = "clip_grad_norm_"):
+    """``(engine, which)`` for clipping ``parameters``: the open engine whose trainable
+    parameters, or one of whose optimizers' parameters, are exactly the trainable ones
+    among them (``which``: None for all of them, else the optimizer's index); ``(None,
+    the tensors)`` when none of them is managed by an open engine (or all are frozen).
+    Anything else is a RuntimeError naming ``what``: ZeRO clips all of a model's
+    gradients together, or all of one optimizer's (public: zero_strategy.engine_for_parameters)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     owners = [_open_engine(p) for p in params]
     engines = {id(e): e for e in owners if e is not None}
@@ -165,9 +167,9 @@ def _engine_for(parameters, what: str):
         return None, params
     if len(engines) > 1 or any(e is None for e in owners):
         raise RuntimeError(
-            f"torch.nn.utils.{what} was given parameters of a ZeroEngine's model together with other tensors: "
-            "under ZeRO their .grad is not the gradient the engine steps with (None at stages 2-3, loss-scaled "
-            f"with fp16). Call engine.{what}(...) for the engine's model and torch's function for the rest."
+            f"{what} was given parameters of a ZeroEngine's model together with other tensors (or another "
+            "engine's): under ZeRO their .grad is not the gradient the engine steps with (None at stages 2-3, "
+            f"loss-scaled with fp16). Clip each engine's model in a call of its own, and the rest with torch's {what}."
         )
     eng = next(iter(engines.values()))
     given = {id(p) for p in params if p.requires_grad}
@@ -180,16 +182,16 @@ def _engine_for(parameters, what: str):
         if len(per_optimizer) > 1 and given in per_optimizer:
             return eng, per_optimizer.index(given)
         raise RuntimeError(
-            f"torch.nn.utils.{what} was given {len(given)} of the {len(trainable)} trainable parameters of a "
-            f"ZeroEngine's model: ZeRO clips all of a model's gradients together (their .grad is not the gradient "
-            f"the engine steps with), or all of one optimizer's. Pass model.parameters(), or call engine.{what}(...)."
+            f"{what} was given {len(given)} of the {len(trainable)} trainable parameters of a ZeroEngine's model: "
+            "ZeRO clips all of a model's gradients together (they are partitioned across ranks, and their .grad is "
+            "not the gradient the engine steps with), or all of one optimizer's. Pass model.parameters()."
         )
     return eng, None
 
 
 @functools.wraps(_TORCH_CLIP_NORM)
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    eng, which = _engine_for(parameters, "clip_grad_norm_")
+    eng, which = engine_for_parameters(parameters, "torch.nn.utils.clip_grad_norm_")
     if eng is None:
         return _TORCH_CLIP_NORM(which, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
     total = eng.clip_grad_norm_(float(max_norm), norm_type=float(norm_type), optimizer=which)
@@ -204,7 +206,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 
 @functools.wraps(_TORCH_CLIP_VALUE)
 def clip_grad_value_(parameters, clip_value, foreach=None):
-    eng, which = _engine_for(parameters, "clip_grad_value_")
+    eng, which = engine_for_parameters(parameters, "torch.nn.utils.clip_grad_value_")
     if eng is None:
         return _TORCH_CLIP_VALUE(which, clip_value, foreach=foreach)
     eng.clip_grad_value_(float(clip_value), optimizer=which)
