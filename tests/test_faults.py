@@ -185,6 +185,11 @@ def _misuse_worker(rank, ws):
         out[f"clip_{stage}"] = (norms, max(float((got[k] - v).abs().max()) for k, v in ref_state.items()))
         engine.backward(model(_batch(rank, 2)))
         out[f"clip_subset_{stage}"] = _timed(lambda: torch.nn.utils.clip_grad_norm_(model.head.parameters(), 1.0))
+        # A model's parameters with a tensor no engine manages: clipping only the model's would
+        # leave the other unclipped, silently (Accelerate's own lookup once did).
+        stray = torch.nn.Parameter(torch.ones(3))
+        stray.grad = torch.full((3,), 100.0)
+        out[f"clip_mixed_{stage}"] = _timed(lambda: torch.nn.utils.clip_grad_norm_([*model.parameters(), stray], 1.0))
         torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
         engine.step()
         engine.close()
@@ -248,6 +253,8 @@ def test_misuse_that_gave_silent_wrong_numbers_is_an_error_or_made_right_on_ever
             assert max_diff < 1e-6, (stage, max_diff)
             _check(out, f"clip_subset_{stage}", "RuntimeError", "was given 2 of the 8 trainable parameters",
                    "call engine.clip_grad_norm_")
+            _check(out, f"clip_mixed_{stage}", "RuntimeError", "together with other tensors",
+                   "engine.clip_grad_norm_")
         assert out["clip_fp16"] == pytest.approx(out["ref_norms"][0], rel=2e-2)  # unscaled
 
         results, warned_early, skips, seconds = out["skips"]

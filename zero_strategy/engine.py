@@ -106,9 +106,10 @@ class ZeroEngine:
     * step() from IDLE (no backward) or ACCUMULATED (unreduced gradients) is an error;
     * close() --> CLOSED, from which every call is an error.
 
-    Everything the engine installs on the model (hooks, guards, wrapped methods,
-    activation checkpointing, disk files) registers its undo in ``_undo``; close() runs
-    them in reverse.
+    Everything the engine installs on the model (hooks, wrapped methods, activation
+    checkpointing, disk files) registers its undo in ``_undo``; close() runs them in
+    reverse.  The parameter guards stay on a closed stage-3 model (its parameters are
+    still shards) until ``close(unshard=True)`` hands whole ones back.
     """
 
     def __init__(

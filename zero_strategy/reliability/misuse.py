@@ -159,7 +159,8 @@ def engine_for_parameters(parameters, what: str = "clip_grad_norm_"):
     among them (``which``: None for all of them, else the optimizer's index); ``(None,
     the tensors)`` when none of them is managed by an open engine (or all are frozen).
     Anything else is a RuntimeError naming ``what``: ZeRO clips all of a model's
-    gradients together, or all of one optimizer's (public: zero_strategy.engine_for_parameters)."""
+    gradients together, or all of one optimizer's (ShardedModel.optimizer_of_parameters).
+    Public as zero_strategy.engine_for_parameters."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     owners = [_open_engine(p) for p in params]
     engines = {id(e): e for e in owners if e is not None}
@@ -169,24 +170,13 @@ def engine_for_parameters(parameters, what: str = "clip_grad_norm_"):
         raise RuntimeError(
             f"{what} was given parameters of a ZeroEngine's model together with other tensors (or another "
             "engine's): under ZeRO their .grad is not the gradient the engine steps with (None at stages 2-3, "
-            f"loss-scaled with fp16). Clip each engine's model in a call of its own, and the rest with torch's {what}."
+            f"loss-scaled with fp16). Clip each engine's model in a call of its own ({what}(model.parameters(), ...) "
+            f"or engine.{what.rsplit('.', 1)[-1]}(...)), and the other tensors in another."
         )
     eng = next(iter(engines.values()))
-    given = {id(p) for p in params if p.requires_grad}
-    if not given:
+    if not any(p.requires_grad for p in params):
         return None, params  # frozen parameters only: no gradient to clip, as with torch
-    trainable = {id(p) for p in eng.module.parameters() if p.requires_grad}
-    if given != trainable:
-        # Exactly one optimizer's parameters (several optimizers): clipped as that group.
-        per_optimizer = [{id(p) for p in eng.parameters_of(k)} for k in range(len(eng.optimizers))]
-        if len(per_optimizer) > 1 and given in per_optimizer:
-            return eng, per_optimizer.index(given)
-        raise RuntimeError(
-            f"{what} was given {len(given)} of the {len(trainable)} trainable parameters of a ZeroEngine's model: "
-            "ZeRO clips all of a model's gradients together (they are partitioned across ranks, and their .grad is "
-            "not the gradient the engine steps with), or all of one optimizer's. Pass model.parameters()."
-        )
-    return eng, None
+    return eng, eng.sharded.optimizer_of_parameters(params, what)
 
 
 @functools.wraps(_TORCH_CLIP_NORM)

@@ -73,10 +73,11 @@ class ShardedModel:
                 return k
         raise ValueError(f"this {type(optimizer).__name__} is not one of this engine's optimizers")
 
-    def optimizer_of_parameters(self, parameters) -> Optional[int]:
-        """None when the trainable ones among ``parameters`` are all of the model's
-        trainable parameters; ``k`` when they are exactly optimizer ``k``'s; otherwise a
-        ValueError (ZeRO clips every optimizer's gradients, or one optimizer's, together)."""
+    def optimizer_of_parameters(self, parameters, what: str = "clip_grad_norm_") -> Optional[int]:
+        """For clipping: None when the trainable ones among ``parameters`` are all of the
+        model's trainable parameters; ``k`` when they are exactly optimizer ``k``'s;
+        otherwise a RuntimeError naming ``what`` (ZeRO clips every optimizer's gradients,
+        or one optimizer's, together)."""
         given = {id(p) for p in parameters if p.requires_grad}
         every = {id(p) for u in self.trainable_units for p in u.params}
         if given == every:
@@ -84,10 +85,12 @@ class ShardedModel:
         for k in range(len(self.inner_optimizers)):
             if given == {id(p) for p in self.parameters_of(k)}:
                 return k
-        raise ValueError(
-            f"{len(given)} of the {len(every)} trainable parameters of a ZeroEngine's model were given: ZeRO clips all "
-            "of a model's gradients together, or all of one optimizer's. Pass model.parameters() (or exactly the "
-            "parameters of one of its optimizers)"
+        method = what.rsplit(".", 1)[-1]
+        raise RuntimeError(
+            f"{what} was given {len(given)} of the {len(every)} trainable parameters of a ZeroEngine's model: ZeRO "
+            "clips all of a model's gradients together (they are partitioned across ranks, and their .grad is not "
+            "the gradient the engine steps with), or all of one optimizer's. Pass model.parameters() (or exactly one "
+            f"optimizer's parameters), or call engine.{method}(...)."
         )
 
     # -- whole values -------------------------------------------------------------------------
