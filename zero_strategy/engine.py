@@ -16,14 +16,12 @@ The phases of a step, as the code follows them:
 from __future__ import annotations
 
 import contextlib
-import enum
 import weakref
 from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.nn as nn
 
-from . import agreement, reports
 from .communication.comm import Communicator
 from .config import ZeroConfig
 from .execution.activation import apply_activation_checkpointing
@@ -37,39 +35,20 @@ from .optim.optimizer_set import OptimizerSet, as_optimizer_list
 from .optim.step_grads import StepGradients
 from .optim.stepper import step_units
 from .optim.usage import UsageAgreement
+from .lifecycle import Phase, check_grads_steppable, check_open, engine_of, register_engine, weak_method
+from .persistence import SavesAndLoads
 from .policy import Policies
+from .reliability.finite_loss import check_finite_loss
 from .reliability.fingerprint import check_same_setup
 from .reliability.guard import guard_parameters, unguard_parameters
 from .reliability.misuse import SkipWatch, engine_steps, guard_misuse, route_module_zero_grad
 from .sharding.builder import build_sharded_model, materialization_device
 from .sharding.flat_unit import FlatUnit
-from .sharding.gathered_parameters import gathered_parameters
+from .sharding.gathered_parameters import WholeParameters
 from .sharding.keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
 from .sharding.reducer import GradientReducer
+from .reports import Reports
 from .sharding.sharded_model import ShardedModel
-
-
-# Which engine manages which module.  Weak both ways: the engine holds its module, so a
-# strong value would keep every model (and its process group) alive until exit.
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
-def engine_of(module: nn.Module) -> Optional["ZeroEngine"]:
-    """The open ZeroEngine managing ``module``, or None."""
-    ref = _ENGINES.get(module)
-    engine = ref() if ref is not None else None
-    return engine if engine is not None and engine.phase is not Phase.CLOSED else None
-
-
-class Phase(enum.Enum):
-    """Where the engine is in a training step (see [Note: lifecycle])."""
-
-    IDLE = "idle"  # no gradient since the last step() / zero_grad()
-    BACKWARD = "backward"  # autograd is running backward through the model
-    ACCUMULATED = "accumulated"  # backward(s) inside no_sync only: local, unreduced gradients
-    REDUCED = "reduced"  # a backward reduced the gradients: step() may follow
-    GRADS_READY = "grads_ready"  # step's fp32 gradients are prepared (clip / overflow checked)
-    CLOSED = "closed"  # close() was called: nothing is managed any more
 
 
 def _broadcast_from_rank0(model: nn.Module, comm, skip) -> None:
@@ -80,31 +59,11 @@ def _broadcast_from_rank0(model: nn.Module, comm, skip) -> None:
                 comm.broadcast(t.data, 0, label=f"the initial value of {name}")
 
 
-def _weak_method(bound):
-    """A callable that does not keep its object alive (stored on parameters, which
-    autograd's C++ side holds)."""
-    ref = weakref.WeakMethod(bound)
-
-    def call(*args):
-        method = ref()
-        return method(*args) if method is not None else False
-
-    return call
-
-
-class ZeroEngine:
+class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
     """The lifecycle and the step of ZeRO-DP over one ShardedModel (sharding/sharded_model.py).
 
-    [Note: lifecycle]
-    ``phase`` is one :class:`Phase`; every misuse check is a transition that is not
-    allowed from the current phase:
-
-    * IDLE/ACCUMULATED --first gradient--> BACKWARD --end--> REDUCED (synchronised or
-      sharded gradients) or ACCUMULATED (no_sync at stages 0-1: nothing reduced);
-    * REDUCED --a synchronised backward--> error (its gradients would be reduced twice);
-    * REDUCED --clip / overflow check--> GRADS_READY --step()--> IDLE;
-    * step() from IDLE (no backward) or ACCUMULATED (unreduced gradients) is an error;
-    * close() --> CLOSED, from which every call is an error.
+    ``phase`` follows [Note: lifecycle] in lifecycle.py: every misuse check is a
+    transition that the current phase does not allow.
 
     Everything the engine installs on the model (hooks, wrapped methods, activation
     checkpointing, disk files) registers its undo in ``_undo``; close() runs them in
@@ -183,12 +142,12 @@ class ZeroEngine:
         # pile up beside the activations in backward.)
         self.reducer = GradientReducer(
             sm.reduction_order, comm, overlap=pol.comm.overlap,
-            max_in_flight=2 * pol.comm.reduce_bucket_size, rider=_weak_method(self._usage.rider),
+            max_in_flight=2 * pol.comm.reduce_bucket_size, rider=weak_method(self._usage.rider),
         )
         self._keep = KeepGathered(sm.gatherer, sm.units, max_bytes=config.keep_gathered_max_bytes,
                                   bucket_numel=pol.comm.allgather_bucket_size, rank=comm.rank)
         self._undo.extend(h.remove for h in register_hooks(self))
-        _ENGINES[model] = weakref.ref(self)
+        register_engine(model, self)
         if config.activation_checkpointing:
             self._undo.extend(apply_activation_checkpointing(model, config.activation_checkpointing, config.offload_activations))
 
@@ -203,7 +162,7 @@ class ZeroEngine:
             self.last_load_report = load_pretrained(sm, pretrained)
         if pol.stage.shards_parameters:
             # Last: materialisation and loading above write through the parameters.
-            guard_parameters(sm.units, on_access=_weak_method(sm.gatherer.on_access))
+            guard_parameters(sm.units, on_access=weak_method(sm.gatherer.on_access))
         # generate() and the like run in keep_gathered() ([Note: keep gathered]).
         self._undo.extend(wrap_methods(self, methods) + [route_module_zero_grad(self)])
         if sm.disk_offload is not None:
@@ -302,31 +261,17 @@ class ZeroEngine:
         return float(self.scaler.scale)
 
     def _check_open(self) -> None:
-        if self.phase is Phase.CLOSED:
-            raise RuntimeError("this ZeroEngine was closed: the model's parameters are no longer managed; build a new engine with zero_strategy.initialize")
+        check_open(self.phase)
 
     # -- training API -------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
         self._check_open()
         if self.config.check_finite_loss:
-            self._check_finite_loss(loss)
+            check_finite_loss(self.comm, loss, self.global_step)
         if self.scaler.scale != 1.0:
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
-
-    def _check_finite_loss(self, loss: torch.Tensor) -> None:
-        # Agreed by every rank, so all stop together (a lone rank stopping would leave the
-        # others waiting in backward's collectives).
-        finite = bool(torch.isfinite(loss.detach()).all())
-        mine = None if finite else FloatingPointError(f"loss {float(loss.detach().float().reshape(-1)[0])}")
-        ranks = agreement.exchange(self.comm, "the finite-loss check", mine, error_type=FloatingPointError).failed
-        if ranks:
-            raise FloatingPointError(
-                f"the loss is not finite (NaN or inf) at step {self.global_step} on rank(s) {ranks} "
-                f"(this rank's loss: {float(loss.detach().float().reshape(-1)[0])}); stopped by "
-                "ZeroConfig.check_finite_loss before it reached the weights"
-            )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -342,35 +287,14 @@ class ZeroEngine:
     def sync_gradients(self) -> bool:
         return self._synced
 
-    def _check_grads_steppable(self, what: str) -> None:
-        """The transitions into GRADS_READY that are misuse (see [Note: lifecycle])."""
-        meta = self.sharded.compute_device().type == "meta"  # planning dry runs step once to create optimizer state
-        if self.phase is Phase.BACKWARD:
-            raise RuntimeError(f"{what} was called while backward is still running through the model")
-        if self.phase is Phase.IDLE and not meta:
-            raise RuntimeError(
-                f"{what} was called but no backward reached the model since the last step() or zero_grad(): "
-                "there are no gradients to apply. Call engine.backward(loss) (or loss.backward()) first."
-            )
-        if self.phase is Phase.ACCUMULATED:
-            raise RuntimeError(
-                f"{what} was called after backward passes that all ran inside no_sync(): at stage "
-                f"{self.policies.stage.stage} their gradients are local to each rank and were never reduced, so "
-                "the update would differ per rank. Run the last micro-batch's backward outside no_sync()."
-            )
-        if not self._synced and not self.policies.stage.shards_gradients:
-            raise RuntimeError(
-                f"{what} was called inside no_sync(): at stage {self.policies.stage.stage} gradients are reduced "
-                "only by a backward outside no_sync(); call step() after leaving the no_sync() block."
-            )
-
     def _prepare_master_grads(self, what: str = "step()") -> bool:
         """Agree on fp16 overflow and on which parameters got gradients ([Note: usage
         rider] in optim/usage.py) and move to GRADS_READY; return True on an overflow
         anywhere.  The fp32 gradients themselves are made unit by unit in the step."""
         if self.phase is Phase.GRADS_READY:
             return self._overflow
-        self._check_grads_steppable(what)
+        check_grads_steppable(self.phase, what, synced=self._synced, stage=self.policies.stage,
+                              dry_run=self.sharded.compute_device().type == "meta")
         if self.reducer.busy:
             self.reducer.flush(self._synced)
         self._overflow = overflow = self._usage.settle()
@@ -404,18 +328,13 @@ class ZeroEngine:
             self._grads.clamp(float(clip_value), k)
 
     def _clip_target(self, what: str, optimizer) -> Optional[int]:
-        """None (every optimizer) or the index ``optimizer`` names (index or optimizer); an
-        engine with one optimizer treats it as None (the same parameters)."""
+        """None (every optimizer's parameters) or the index ``optimizer`` names; an
+        engine with one optimizer clips the same parameters either way (None)."""
         self._check_open()
-        if not self.optimizers:
-            raise RuntimeError(f"{what} needs an optimizer: initialize was called with optimizer=None")
-        if optimizer is None or len(self.optimizers) == 1:
+        if optimizer is None and self.optimizers:
             return None
-        if isinstance(optimizer, int) and not isinstance(optimizer, bool):
-            if not 0 <= optimizer < len(self.optimizers):
-                raise ValueError(f"optimizer={optimizer}: this engine has {len(self.optimizers)} optimizer(s)")
-            return optimizer
-        return self.optimizer_index(getattr(optimizer, "_optimizer", optimizer))  # a LightningOptimizer wraps it
+        k = self.sharded.which_optimizer(optimizer, what)
+        return None if len(self.optimizers) == 1 else k
 
     # [Note: step rounds]
     # A step is a round over the optimizers: the first step() call of a round agrees on
@@ -508,129 +427,6 @@ class ZeroEngine:
             self.phase = Phase.IDLE
         self.comm.start_step(self.global_step)
 
-    # -- whole parameters outside training (keep_gathered.py, gathered_parameters.py) -----------
-    @contextlib.contextmanager
-    def keep_gathered(self) -> Iterator[bool]:
-        """Collective.  Stage 3: inside, every parameter stays gathered, so a loop of
-        forwards (generate()) communicates nothing after the gather at the start; at
-        the end they are sharded again.  Yields whether they are held: False when the
-        gathered model would exceed ``keep_gathered_max_bytes`` (then each forward gathers
-        layer by layer as usual, after a one-time warning).  Below stage 3 the
-        parameters are always whole (True).  Entered automatically around the methods
-        named in ``keep_gathered_methods`` (default: ``generate``)."""
-        self._check_open()
-        with self._keep.region() as holding:
-            yield holding
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, *modules: nn.Module, modifier_rank: Optional[int] = None) -> Iterator[None]:
-        """Collective.  Inside, the parameters of ``modules`` (default: the whole model) are
-        whole on every rank and may be read (stage 3; stages 0-2 always hold them whole).
-
-        ``modifier_rank=r`` keeps the changes rank ``r`` makes inside: on exit its values
-        are broadcast and written into every rank's shard and fp32 master weights (in the
-        compute dtype's precision).  Without it, changes made inside are discarded
-        (stage 3) or must not be made (stages 0-2: the next step would overwrite them
-        from the master weights).  Do not run the model's forward inside.
-        """
-        self._check_open()
-        with gathered_parameters(self.sharded, modules, modifier_rank):
-            yield
-
-    # -- reports (reports.py) -------------------------------------------------------------------
-    def memory_report(self) -> Dict[str, int]:
-        """Bytes held on this rank now, by category (model states and comm buffers)."""
-        return reports.memory_report(self.sharded)
-
-    def unit_summary(self) -> dict:
-        """What was partitioned how (stage, unit module classes, flat units, gather groups)."""
-        return reports.unit_summary(self.sharded)
-
-    def describe(self) -> str:
-        """One line for a start-up log: stage, world size, units, model-state bytes per rank."""
-        return reports.describe(self.sharded)
-
-    def comm_report(self):
-        """Elements and bytes moved per collective kind since the last reset."""
-        return self.comm.report()
-
-    def reset_comm_report(self) -> None:
-        self.comm.reset()
-
-    # -- state dicts (see state.py) ------------------------------------------------------------
-    def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
-        from .state_dicts.state import full_state_dict
-
-        return full_state_dict(self.sharded, rank0_only=rank0_only)
-
-    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True) -> None:
-        from .state_dicts.state import load_full_state_dict
-
-        load_full_state_dict(self.sharded, state_dict, strict=strict)
-        self._keep.refresh(self.units)
-
-    def full_optimizer_state_dict(self, rank0_only: bool = True, optimizer=None) -> dict:
-        """Collective.  The optimizer state as the user's optimizer would hold it without
-        ZeRO (torch's format, whole tensors, the user's parameter order), on rank 0 (or
-        every rank): what DDP saves, see [Note: torch-format optimizer state] in state.py.
-        With several optimizers, ``optimizer`` (an index, or the optimizer) says whose."""
-        self._check_open()
-        from .state_dicts.state import full_optimizer_state_dict
-
-        return full_optimizer_state_dict(self.sharded, rank0_only=rank0_only, optimizer=optimizer)
-
-    def load_full_optimizer_state_dict(self, state_dict: dict, optimizer=None) -> None:
-        """Load a torch-format optimizer state dict (ours, or a plain / DDP optimizer's
-        for the same parameters); every rank passes the same one.  With several
-        optimizers, ``optimizer`` (an index, or the optimizer) says whose it is."""
-        self._check_open()
-        from .state_dicts.state import load_full_optimizer_state_dict
-
-        load_full_optimizer_state_dict(self.sharded, state_dict, optimizer=optimizer)
-        self._settle_disk()
-
-    def state_dict(self) -> dict:
-        from .state_dicts.state import rank_state_dict
-
-        return rank_state_dict(self)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        from .state_dicts.state import load_rank_state_dict
-
-        load_rank_state_dict(self, state_dict)
-        self._keep.refresh(self.units)
-        self._settle_disk()
-
-    def load_pretrained(self, path) -> Dict[str, list]:
-        """Load safetensors weights (a file, or a directory with an index) into the
-        shards; each rank reads only what it keeps.  Returns missing/unexpected keys."""
-        report = load_pretrained(self.sharded, path)
-        self._keep.refresh(self.units)
-        return report
-
-    # -- checkpoints (see checkpoint/) ------------------------------------------------------------
-    def save_checkpoint(self, directory, client_state: Optional[dict] = None):
-        """Collective: write a sharded checkpoint directory atomically."""
-        from .checkpoint.directory import save_checkpoint
-
-        try:
-            return save_checkpoint(self, directory, client_state=client_state)
-        finally:
-            self._settle_disk()
-
-    def load_checkpoint(self, directory, *, allow_reshard: bool = True, weights_only: Optional[bool] = True) -> Optional[dict]:
-        """Collective: restore from a checkpoint saved at any world size and stage;
-        returns the saved ``client_state``, unpickled with ``weights_only`` (default
-        True: no code from the file runs; pass False only for a checkpoint you trust)."""
-        from .checkpoint.directory import load_checkpoint
-
-        try:
-            client_state = load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
-        finally:
-            self._settle_disk()
-        self._keep.refresh(self.units)
-        return client_state
-
     # -- teardown ------------------------------------------------------------------------------
     def close(self, unshard: bool = False) -> None:
         """Remove every hook.  Parameters stay as they are (stage 3: sharded) unless
@@ -646,13 +442,3 @@ class ZeroEngine:
         for step in reversed(undo):
             step()
         self.phase = Phase.CLOSED
-
-    def _settle_disk(self) -> None:
-        """Disk offload: a load replaced optimizer state tensors, or a save paged files in:
-        move new state into the files and drop everything from memory again."""
-        if self.disk_offload is not None and self.phase is not Phase.CLOSED:
-            if self.inner_optimizers:
-                for k, opt in enumerate(self.inner_optimizers):
-                    self.disk_offload.adopt_all(self.units_of(k), opt)
-            else:
-                self.disk_offload.evict_all()

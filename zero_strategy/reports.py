@@ -88,3 +88,26 @@ def describe(sharded) -> str:
                  else f"{cfg.precision} with fp32 master weights" if cfg.is_mixed_precision else "fp32")
     return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s): {s['num_units']} flat units{what}; "
             f"{precision}; model states {mb:.1f} MiB on this rank now")
+
+
+class Reports:
+    """ZeroEngine's report methods (mixed in; needs ``sharded`` and ``comm``)."""
+
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes held on this rank now, by category (model states and comm buffers)."""
+        return memory_report(self.sharded)
+
+    def unit_summary(self) -> dict:
+        """What was partitioned how (stage, unit module classes, flat units, gather groups)."""
+        return unit_summary(self.sharded)
+
+    def describe(self) -> str:
+        """One line for a start-up log: stage, world size, units, model-state bytes per rank."""
+        return describe(self.sharded)
+
+    def comm_report(self):
+        """Elements and bytes moved per collective kind since the last reset."""
+        return self.comm.report()
+
+    def reset_comm_report(self) -> None:
+        self.comm.reset()

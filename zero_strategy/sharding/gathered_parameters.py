@@ -10,6 +10,7 @@ import contextlib
 from typing import Iterator, Optional
 
 import torch
+import torch.nn as nn
 
 from .param_shard import ShardState
 
@@ -41,3 +42,36 @@ def gathered_parameters(sharded, modules, modifier_rank: Optional[int] = None) -
     finally:
         for u in gathered_here:
             u.params_store.release()
+
+
+class WholeParameters:
+    """ZeroEngine's whole-parameter contexts (mixed in; needs ``sharded``, ``_keep``
+    (keep_gathered.py) and ``_check_open``)."""
+
+    @contextlib.contextmanager
+    def keep_gathered(self) -> Iterator[bool]:
+        """Collective.  Stage 3: inside, every parameter stays gathered, so a loop of
+        forwards (generate()) communicates nothing after the gather at the start; at
+        the end they are sharded again.  Yields whether they are held: False when the
+        gathered model would exceed ``keep_gathered_max_bytes`` (then each forward gathers
+        layer by layer as usual, after a one-time warning).  Below stage 3 the
+        parameters are always whole (True).  Entered automatically around the methods
+        named in ``keep_gathered_methods`` (default: ``generate``)."""
+        self._check_open()
+        with self._keep.region() as holding:
+            yield holding
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, *modules: nn.Module, modifier_rank: Optional[int] = None) -> Iterator[None]:
+        """Collective.  Inside, the parameters of ``modules`` (default: the whole model) are
+        whole on every rank and may be read (stage 3; stages 0-2 always hold them whole).
+
+        ``modifier_rank=r`` keeps the changes rank ``r`` makes inside: on exit its values
+        are broadcast and written into every rank's shard and fp32 master weights (in the
+        compute dtype's precision).  Without it, changes made inside are discarded
+        (stage 3) or must not be made (stages 0-2: the next step would overwrite them
+        from the master weights).  Do not run the model's forward inside.
+        """
+        self._check_open()
+        with gathered_parameters(self.sharded, modules, modifier_rank):
+            yield

@@ -73,6 +73,23 @@ class ShardedModel:
                 return k
         raise ValueError(f"this {type(optimizer).__name__} is not one of this engine's optimizers")
 
+    def which_optimizer(self, optimizer, what: str) -> int:
+        """The index ``optimizer`` names: an index, the user's optimizer, its
+        ZeroOptimizer, or a wrapper holding it as ``_optimizer`` (LightningOptimizer);
+        None names the only optimizer (an error when there are several)."""
+        count = len(self.inner_optimizers)
+        if count == 0:
+            raise RuntimeError(f"{what} needs an optimizer: initialize was called with optimizer=None")
+        if optimizer is None:
+            if count > 1:
+                raise ValueError(f"{what}: this engine has {count} optimizers: pass optimizer=k (or the optimizer itself) to say which")
+            return 0
+        if isinstance(optimizer, int) and not isinstance(optimizer, bool):
+            if not 0 <= optimizer < count:
+                raise ValueError(f"{what}: optimizer={optimizer}, but this engine has {count} optimizer(s)")
+            return optimizer
+        return self.optimizer_index(getattr(optimizer, "_optimizer", optimizer))
+
     def optimizer_of_parameters(self, parameters, what: str = "clip_grad_norm_") -> Optional[int]:
         """For clipping: None when the trainable ones among ``parameters`` are all of the
         model's trainable parameters; ``k`` when they are exactly optimizer ``k``'s;

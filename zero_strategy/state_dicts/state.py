@@ -179,23 +179,6 @@ def _load_optimizer_keeping_group_dicts(optimizer, sd: dict) -> None:
 # torch.  Memory: one unit's per-element state of one key at a time is gathered.
 
 
-def optimizer_index(engine, optimizer) -> int:
-    """Which of the engine's optimizers ``optimizer`` names: an index, the user's
-    optimizer or its ZeroOptimizer; None only when the engine has exactly one."""
-    count = len(engine.inner_optimizers)
-    if count == 0:
-        raise RuntimeError("this engine has no optimizer: initialize was called with optimizer=None")
-    if optimizer is None:
-        if count > 1:
-            raise ValueError(f"this engine has {count} optimizers: pass optimizer=k (or the optimizer itself) to say which")
-        return 0
-    if isinstance(optimizer, int) and not isinstance(optimizer, bool):
-        if not 0 <= optimizer < count:
-            raise ValueError(f"optimizer={optimizer}: this engine has {count} optimizer(s)")
-        return optimizer
-    return engine.optimizer_index(optimizer)
-
-
 def _piece_states(engine, k: int) -> Dict[tuple, tuple]:
     """(unit, position) -> (that piece's optimizer tensor, its state) on this rank, for
     optimizer ``k``'s element-wise units."""
@@ -243,7 +226,7 @@ def full_optimizer_state_dict(engine, rank0_only: bool = True, optimizer=None) -
     """Collective.  The state of one optimizer (``optimizer``: its index or itself;
     may be left out when there is one) in torch's format (see the note above); with
     ``rank0_only`` the other ranks return {}."""
-    k = optimizer_index(engine, optimizer)
+    k = engine.which_optimizer(optimizer, "full_optimizer_state_dict")
     opt = engine.inner_optimizers[k]
     comm = engine.comm
     keep = comm.rank == 0 or not rank0_only
@@ -312,7 +295,7 @@ def load_full_optimizer_state_dict(engine, osd: dict, optimizer=None) -> None:
     index or itself; may be left out when there is one); each rank keeps its pieces
     (whole-parameter optimizers: the parameters it owns).  Hyperparameters in
     ``param_groups`` are loaded into the live group dicts."""
-    k = optimizer_index(engine, optimizer)
+    k = engine.which_optimizer(optimizer, "load_full_optimizer_state_dict")
     opt = engine.inner_optimizers[k]
     if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
         raise ValueError("load_full_optimizer_state_dict expects a torch optimizer state dict ({'state': ..., 'param_groups': ...})")
