@@ -86,7 +86,7 @@ def _crash_worker(rank, ws, path, crash):
     import transformers
 
     import zero_strategy
-    import zero_strategy.checkpoint.directory as ck
+    import zero_strategy.checkpoint.save as ck
 
     transformers.logging.set_verbosity_error()
     model, opt = build(dict(optim="adamw"))
@@ -102,7 +102,7 @@ def _crash_worker(rank, ws, path, crash):
 
         def die_half_way(tmp, r, tensors, extra):
             original(tmp, r, tensors, extra)
-            f = ck._rank_file(tmp, r, "safetensors")
+            f = ck.rank_file(tmp, r, "safetensors")
             with open(f, "r+b") as fh:
                 fh.truncate(os.path.getsize(f) // 2)
             os._exit(17)  # killed in the middle of the save
@@ -142,7 +142,7 @@ def test_rank_killed_during_save_leaves_previous_checkpoint_loadable(tmp_path):
 def test_consolidated_weights_load_with_plain_from_pretrained(tmp_path):
     from transformers import GPT2LMHeadModel
 
-    from zero_strategy.checkpoint.directory import consolidate, load_consolidated_state_dict
+    from zero_strategy.checkpoint import consolidate, load_consolidated_state_dict
     from zero_strategy.cli import main
 
     path = tmp_path / "ckpt"
@@ -193,7 +193,7 @@ def _load_single(path, model_kwargs=None):
 
 @pytest.mark.slow
 def test_bad_checkpoints_give_errors_naming_the_file(saved_checkpoint, tmp_path):
-    from zero_strategy.checkpoint.directory import CheckpointError
+    from zero_strategy.checkpoint import CheckpointError
 
     missing = _copy(saved_checkpoint, tmp_path / "missing")
     os.unlink(missing / "rank00001.safetensors")

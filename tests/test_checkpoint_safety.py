@@ -114,7 +114,7 @@ def _results(result: dict, ws: int) -> dict:
 # saving never deletes what it did not write; every error on every rank
 # ---------------------------------------------------------------------------------------
 def _save_safety_worker(rank, ws, root):
-    import zero_strategy.checkpoint.directory as ck
+    import zero_strategy.checkpoint.save as ck
     from zero_strategy.integrations.accelerate.state import load_engine, save_engine
 
     root = Path(root)
@@ -156,7 +156,7 @@ def _save_safety_worker(rank, ws, root):
     original = ck._write_rank_files
     if rank == 1:
         def full(tmp, r, tensors, extra):
-            raise OSError(errno.ENOSPC, "No space left on device", str(ck._rank_file(tmp, r, "safetensors")))
+            raise OSError(errno.ENOSPC, "No space left on device", str(ck.rank_file(tmp, r, "safetensors")))
         ck._write_rank_files = full
     _step(engine, model, rank, ws, 1)
     out["disk_full"] = _attempt(lambda: engine.save_checkpoint(path))
@@ -430,7 +430,7 @@ def test_each_corruption_is_a_checkpoint_error_naming_the_file_on_every_rank(tmp
         assert out[r]["v1"][0] == "ok", out[r]["v1"]
         assert any("format-version-1" in w and "no checksums" in w for w in out[r]["v1/warnings"]), out[r]["v1/warnings"]
     # Consolidation reads the same files and refuses them the same way (one process).
-    from zero_strategy.checkpoint.directory import CheckpointError, consolidate, load_consolidated_state_dict
+    from zero_strategy.checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
     from zero_strategy.cli import main
 
     for case in ("flipped_data_byte", "swapped_locations", "unit_world_1", "mixed_saves"):
@@ -447,7 +447,7 @@ def test_each_corruption_is_a_checkpoint_error_naming_the_file_on_every_rank(tmp
 # two jobs saving into one directory
 # ---------------------------------------------------------------------------------------
 def _concurrent_worker(rank, ws, root, role):
-    import zero_strategy.checkpoint.directory as ck
+    import zero_strategy.checkpoint.save as ck
 
     root = Path(root)
     model, engine = _engine(seed=0 if role == "holder" else 1)
@@ -521,7 +521,7 @@ def single_checkpoint(tmp_path_factory):
 
 
 def test_consolidate_refuses_foreign_directories_and_the_checkpoint_itself(single_checkpoint, tmp_path):
-    from zero_strategy.checkpoint.directory import CheckpointError, consolidate
+    from zero_strategy.checkpoint import CheckpointError, consolidate
     from zero_strategy.cli import main
 
     ck = single_checkpoint
@@ -566,7 +566,7 @@ def test_consolidate_refuses_foreign_directories_and_the_checkpoint_itself(singl
 def test_single_process_corruptions_are_refused_before_anything_is_read(single_checkpoint, tmp_path):
     """The manifest checks need no process group: crafted manifests that used to loop,
     divide by zero or raise KeyError are CheckpointErrors naming the manifest."""
-    from zero_strategy.checkpoint.directory import CheckpointError, load_consolidated_state_dict
+    from zero_strategy.checkpoint import CheckpointError, load_consolidated_state_dict
 
     edits = {
         "unit_world_2": lambda m: m["units"][0].update(world=2),  # saved at world size 1

@@ -1453,7 +1453,7 @@ def test_save_load_sharded_state_dict(c):
     if c.is_zero:
         listing = set(os.listdir(checkpoint_path))
         assert {"manifest.json", "client_state.pt"} <= listing, listing
-        from zero_strategy.checkpoint.directory import load_client_state
+        from zero_strategy.checkpoint import load_client_state
 
         metadata = load_client_state(checkpoint_path / "client_state.pt")
         assert "pytorch-lightning_version" in metadata
@@ -2242,7 +2242,7 @@ def test_deepspeed_save_checkpoint_client_state_separation(c):
     saved client state read back instead of a mocked engine call)."""
     import torch
 
-    from zero_strategy.checkpoint.directory import load_client_state
+    from zero_strategy.checkpoint import load_client_state
 
     if not c.is_zero:
         return

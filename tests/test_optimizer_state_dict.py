@@ -98,7 +98,7 @@ CONFIGS = [(0, None), (1, None), (2, None), (3, 0)]
 
 @pytest.mark.slow
 def test_torch_format_optimizer_state_both_directions(tmp_path):
-    from zero_strategy.checkpoint.directory import load_consolidated_optimizer_state
+    from zero_strategy.checkpoint import load_consolidated_optimizer_state
 
     batches = _batches()
     ref_model, ref_opt = _plain(batches[:SPLIT])

@@ -18,7 +18,7 @@ from .reliability.misuse import engine_for_parameters
 from .communication.comm import CollectiveError
 from . import agreement as _agreement
 from .reliability.fingerprint import SetupMismatchError
-from .checkpoint.directory import (CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_optimizer_states,
+from .checkpoint import (CheckpointError, consolidate, load_consolidated_optimizer_state, load_consolidated_optimizer_states,
                          load_consolidated_state_dict)
 
 from ._version import __version__

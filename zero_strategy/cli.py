@@ -254,7 +254,7 @@ def _add_consolidate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_consolidate(args: argparse.Namespace) -> int:
-    from .checkpoint.directory import CheckpointError, consolidate
+    from .checkpoint import CheckpointError, consolidate
 
     try:
         files = consolidate(args.checkpoint_dir, args.output_dir, dtype=args.dtype, max_shard_bytes=args.max_shard_size)

@@ -1,7 +1,7 @@
 """ZeroEngine's saving and loading methods: state dicts, pretrained weights, checkpoints.
 
 Each delegates to the module that does the work (state_dicts/state.py,
-materialize/pretrained.py, checkpoint/directory.py) and then settles what the engine
+materialize/pretrained.py, checkpoint/save.py and load.py) and then settles what the engine
 holds beside the shards: the whole copies kept inside ``keep_gathered()`` are refreshed
 from the new values, and under disk offload new optimizer state moves into its files
 and everything leaves memory again.
@@ -12,7 +12,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .checkpoint import directory as checkpoint_directory
+from .checkpoint.load import load_checkpoint
+from .checkpoint.save import save_checkpoint
 from .lifecycle import Phase
 from .materialize.pretrained import load_pretrained
 from .state_dicts import state as state_dicts
@@ -68,7 +69,7 @@ class SavesAndLoads:
     def save_checkpoint(self, directory, client_state: Optional[dict] = None):
         """Collective: write a sharded checkpoint directory atomically."""
         try:
-            return checkpoint_directory.save_checkpoint(self, directory, client_state=client_state)
+            return save_checkpoint(self, directory, client_state=client_state)
         finally:
             self._settle_disk()
 
@@ -77,7 +78,7 @@ class SavesAndLoads:
         returns the saved ``client_state``, unpickled with ``weights_only`` (default
         True: no code from the file runs; pass False only for a checkpoint you trust)."""
         try:
-            client_state = checkpoint_directory.load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
+            client_state = load_checkpoint(self, directory, allow_reshard=allow_reshard, weights_only=weights_only)
         finally:
             self._settle_disk()
         self._keep.refresh(self.sharded.units)
