@@ -1,4 +1,4 @@
-"""Stage-3 step time against DDP on every architecture of the test zoo (tests/zoo.py).
+"""Stage-3 step time against DDP on every architecture of the test zoo (tests/support/zoo.py).
 
 The zoo's models are tiny (tens of thousands of parameters), which is the worst case for
 stage 3: every collective costs a fixed latency, and with one gather per block the step
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the zoo and the gloo harness live with the tests
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "support"))  # the zoo and the gloo harness live with the tests
 
 import zoo  # noqa: E402
 from dist_harness import run_distributed  # noqa: E402

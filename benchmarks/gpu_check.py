@@ -1,6 +1,6 @@
 """One-shot GPU check (issue #17): the CUDA/NCCL paths measured at world size 1.
 
-Run by benchmarks/gpu_check.sh after tests/test_gpu.py. Each part (see
+Run by benchmarks/gpu_check.sh after tests/core/test_gpu.py. Each part (see
 gpu_check_parts.py) runs in its own subprocess with its own time limit, so a crash, a
 CUDA out-of-memory or a host OOM kill in one part still leaves the others' figures; each
 part saves its results as it goes, so a part stopped by its limit keeps what it measured.
@@ -48,7 +48,7 @@ def parse_args(argv=None):
                    help="dense bf16 peak for MFU (default 989: H200/H100 SXM; H200 NVL: 835)")
     p.add_argument("--models", choices=("auto", "transformers", "builtin"), default="auto",
                    help="transformers' GPT-2 / Llama (auto: when installed) or the pure-torch stand-ins")
-    p.add_argument("--tests-log", help="pytest output of tests/test_gpu.py (from gpu_check.sh)")
+    p.add_argument("--tests-log", help="pytest output of tests/core/test_gpu.py (from gpu_check.sh)")
     p.add_argument("--tests-rc", help="its exit status")
     # Internal: one part in this process (what the isolating parent runs).
     p.add_argument("--part", help=argparse.SUPPRESS)

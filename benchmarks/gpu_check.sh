@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check (issue #17), under 8 minutes on one H200: tests/test_gpu.py (-m gpu),
+# One-shot GPU check (issue #17), under 8 minutes on one H200: tests/core/test_gpu.py (-m gpu),
 # then benchmarks/gpu_check.py (step time vs plain PyTorch, MFU, peak memory per stage vs
 # the formula, activation-checkpoint offload, optimizer offload of a ~7B model). Nothing is
 # downloaded: every model is built from a config. The report goes to $OUT (default
@@ -63,16 +63,16 @@ for mod in ("transformers", "yaml", "safetensors", "pytest", "zero_strategy"):
         print(f"{mod}: MISSING ({type(exc).__name__}: {exc})")
 EOF
 
-# 1. tests/test_gpu.py: the 2-GPU tests skip on one device; the activation-offload test runs.
+# 1. tests/core/test_gpu.py: the 2-GPU tests skip on one device; the activation-offload test runs.
 TESTS_LOG="$OUT_DIR/test_gpu.log"
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
-  echo "gpu_check: pytest -m gpu tests/test_gpu.py (up to ${TESTS_S} s)"
-  timeout -k 10 "$TESTS_S" "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_gpu.py >"$TESTS_LOG" 2>&1
+  echo "gpu_check: pytest -m gpu tests/core/test_gpu.py (up to ${TESTS_S} s)"
+  timeout -k 10 "$TESTS_S" "$PY" -m pytest -q -rs -m gpu -p no:cacheprovider tests/core/test_gpu.py >"$TESTS_LOG" 2>&1
   TESTS_RC=$?
   [ "$TESTS_RC" = 124 ] && echo "(stopped at the ${TESTS_S} s limit)" >>"$TESTS_LOG"
   tail -n 5 "$TESTS_LOG"
 else
-  echo "pytest is not installed for $PY: tests/test_gpu.py not run" >"$TESTS_LOG"
+  echo "pytest is not installed for $PY: tests/core/test_gpu.py not run" >"$TESTS_LOG"
   TESTS_RC="not run"
 fi
 

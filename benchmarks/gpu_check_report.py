@@ -163,7 +163,7 @@ def _markdown(report):
     ]
     tests = report.get("tests")
     if tests:
-        out += ["## tests/test_gpu.py (-m gpu)", "", f"exit status {tests['rc']}", "", "```", tests["tail"], "```", ""]
+        out += ["## tests/core/test_gpu.py (-m gpu)", "", f"exit status {tests['rc']}", "", "```", tests["tail"], "```", ""]
     parts = report["parts"]
     if "stages" in parts:
         p = parts["stages"]

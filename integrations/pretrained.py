@@ -55,7 +55,7 @@ _log = logging.getLogger(__name__)
 _active = False
 
 # Every keyword of PreTrainedModel.from_pretrained (transformers 5.25, checked against the
-# installed signature by tests/test_pretrained_kwargs.py), by what partitioned loading does
+# installed signature by tests/core/test_pretrained_kwargs.py), by what partitioned loading does
 # with it.  Keywords not listed are config attributes, as for the stock loader, unless the
 # installed loader reads them (a newer transformers): see check_arguments.
 _HUB_KWARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies", "subfolder")

@@ -2,7 +2,17 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The tests live in one folder per target (core/, lightning/, accelerate/, transformers/)
+# and share helpers in support/; tests import each other's launchers and helpers by
+# module name, and many run themselves (or a script beside them) in a subprocess, so
+# these folders go on sys.path here and on PYTHONPATH for every process started from
+# a test.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+TEST_PATHS = [os.path.join(_HERE, d) for d in ("support", "core", "lightning", "accelerate", "transformers")]
+for _p in reversed(TEST_PATHS):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+os.environ["PYTHONPATH"] = os.pathsep.join(TEST_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*Converting a tensor with requires_grad=True to a scalar.*")
