@@ -82,7 +82,7 @@ def run_system(name, args, reference_state, ids, expected):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = zero_strategy.initialize(model, optimizer, {**args.zero_config, **ZERO_CONFIGS[name]})
         target = model
-    synced = engine is not None and engine.config.shards_parameters
+    synced = engine is not None and engine.policies.stage.shards_parameters
     seconds, same = [], True
     with torch.no_grad():
         generate(target, ids, args, 2, synced)  # warm-up, not timed

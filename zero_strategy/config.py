@@ -419,49 +419,6 @@ class ZeroConfig:
                 "offloaded): set activation_checkpointing to block class names or ['auto']"
             )
 
-    # -- what the stage implies -------------------------------------------------------
-
-    @property
-    def shards_optimizer_state(self) -> bool:
-        return self.stage >= 1
-
-    @property
-    def shards_gradients(self) -> bool:
-        return self.stage >= 2
-
-    @property
-    def shards_parameters(self) -> bool:
-        return self.stage == 3
-
-    @property
-    def is_mixed_precision(self) -> bool:
-        """16-bit compute copies of the parameters exist next to fp32 masters."""
-        return self.precision != "fp32" and not self.autocast
-
-    @property
-    def uses_loss_scaling(self) -> bool:
-        # bf16 has fp32's exponent range, so only fp16 gradients underflow.
-        return self.precision == "fp16"
-
-    @property
-    def param_dtype(self):
-        """Dtype of the parameters forward and backward see (fp32 under `autocast`)."""
-        return _torch_dtype("fp32" if self.autocast else self.precision)
-
-    @property
-    def grad_reduce_dtype(self):
-        return _torch_dtype(self.reduce_dtype or ("fp32" if self.autocast else self.precision))
-
-    @property
-    def autocast_dtype(self):
-        """The dtype torch.autocast computes in, or None (no `autocast`, or fp32)."""
-        return _torch_dtype(self.precision) if self.autocast and self.precision != "fp32" else None
-
-    @property
-    def model_state_precision(self) -> str:
-        """The precision the parameters are stored in (what the paper's memory formulas take)."""
-        return "fp32" if self.autocast else self.precision
-
     # -- construction -----------------------------------------------------------------
 
     def replace(self, **changes: Any) -> "ZeroConfig":
@@ -572,10 +529,3 @@ def _unknown_key_message(key: Any, valid: list) -> str:
     if close:
         return f"unknown ZeroConfig key {key!r}; did you mean {close[0]!r}?"
     return f"unknown ZeroConfig key {key!r}; valid keys are {', '.join(valid)}"
-
-
-def _torch_dtype(precision: str):
-    # Imported here so that the config and the estimate CLI load without torch.
-    from .dtypes import precision_dtype
-
-    return precision_dtype(precision)

@@ -85,7 +85,7 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
         pol = Policies.from_config(config)
         comm = Communicator(process_group)
         comm.configure(pol.comm.timeout, pol.comm.check_call_order)
-        self.scaler = LossScaler.from_config(config)
+        self.scaler = LossScaler.from_config(config, pol.precision)
         self.global_step = 0
         self.last_step_skipped = False
         self.phase = Phase.IDLE

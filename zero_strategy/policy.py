@@ -4,7 +4,8 @@
 Code that behaves differently by stage, precision, offload or communication setting
 asks one of these objects a question ("are gradients sharded?", "which storage holds
 them?") instead of reading ``config.stage``; ``Policies.from_config`` is the only place
-that turns the config's numbers into those answers.  A new stage-like variation (disk
+that turns the config's numbers into those answers (ZeroConfig itself holds only the
+fields and their validation: one answer layer).  A new stage-like variation (disk
 offload, hierarchical partitioning) becomes a new answer here, not a new ``if`` in the
 engine.
 """
@@ -16,6 +17,7 @@ from typing import Optional
 import torch
 
 from .config import ZeroConfig
+from .dtypes import precision_dtype
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class StagePolicy:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    compute_dtype: torch.dtype  # parameters in forward/backward
+    storage: str  # "fp32" / "bf16" / "fp16": what parameters are stored in (the paper's formulas take it)
+    compute_dtype: torch.dtype  # parameters in forward/backward (fp32 under autocast)
     reduce_dtype: torch.dtype  # gradients in collectives
     mixed: bool  # compute dtype narrower than the fp32 master
     loss_scaling: bool  # fp16: dynamic or static loss scale
@@ -104,13 +107,16 @@ class Policies:
     def from_config(cls, config: ZeroConfig) -> "Policies":
         s = config.stage
         stage = StagePolicy(stage=s, partitions_optimizer_state=s >= 1, shards_gradients=s >= 2, shards_parameters=s == 3)
+        # Under autocast the parameters stay fp32 and torch.autocast computes in the 16-bit type.
+        storage = "fp32" if config.autocast else config.precision
         precision = PrecisionPolicy(
-            compute_dtype=config.param_dtype,
-            reduce_dtype=config.grad_reduce_dtype,
-            mixed=config.is_mixed_precision,
-            loss_scaling=config.uses_loss_scaling,
+            storage=storage,
+            compute_dtype=precision_dtype(storage),
+            reduce_dtype=precision_dtype(config.reduce_dtype or storage),
+            mixed=storage != "fp32",  # 16-bit compute copies of the parameters beside fp32 masters
+            loss_scaling=config.precision == "fp16",  # bf16 has fp32's exponent range: only fp16 underflows
             exact_frozen=config.exact_frozen_weights,
-            autocast_dtype=config.autocast_dtype,
+            autocast_dtype=precision_dtype(config.precision) if config.autocast and config.precision != "fp32" else None,
         )
         disk = config.offload_optimizer == "nvme"
         offload = OffloadPolicy(

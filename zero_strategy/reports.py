@@ -83,9 +83,9 @@ def describe(sharded) -> str:
     merged = f", {members} modules merged into {len(s['groups'])} gathers" if members > len(s["groups"]) else ""
     what = (f", unit modules {', '.join(s['unit_modules']) or '(root only)'} ({len(s['groups'])} gather groups{merged})"
             if s["groups"] else "")
-    cfg = sharded.config
-    precision = (f"{cfg.precision} autocast over fp32 parameters" if cfg.autocast_dtype is not None
-                 else f"{cfg.precision} with fp32 master weights" if cfg.is_mixed_precision else "fp32")
+    cfg, pp = sharded.config, sharded.policies.precision
+    precision = (f"{cfg.precision} autocast over fp32 parameters" if pp.autocast_dtype is not None
+                 else f"{cfg.precision} with fp32 master weights" if pp.mixed else "fp32")
     return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s): {s['num_units']} flat units{what}; "
             f"{precision}; model states {mb:.1f} MiB on this rank now")
 

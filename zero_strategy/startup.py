@@ -22,7 +22,7 @@ def startup_line(engine) -> str:
             name = type(opt).__name__.lower()
             if name == "sgd" and not any(g.get("momentum", 0) for g in opt.param_groups):
                 name = "sgd_nomomentum"
-            formula = estimate(psi, summary["world_size"], summary["stage"], engine.config.model_state_precision, name).total
+            formula = estimate(psi, summary["world_size"], summary["stage"], engine.policies.precision.storage, name).total
             line += f" (the ZeRO paper's formula: {formula / 2**20:.1f} MiB per rank for {psi:,} parameters, {type(opt).__name__})"
     except (ValueError, KeyError, TypeError):
         pass  # the formula is an aside; what runs is the line itself

@@ -270,7 +270,7 @@ class ZeroAccelerator(Accelerator):
         if self.is_main_process:
             role = "" if optimizer is not None else f"{type(model).__name__} for evaluation (no optimizer): "
             print(f"zero_strategy: {role}{line}", flush=True)  # nothing else says that ZeRO is on
-        if engine.config.shards_parameters:
+        if engine.policies.stage.shards_parameters:
             # transformers' generate() (and a few speech models) then keep every rank
             # stepping until all are done, as the stage-3 all-gathers require.
             model._is_fsdp_managed_module = True
@@ -422,8 +422,8 @@ class ZeroAccelerator(Accelerator):
         if engine is None:
             return super().get_state_dict(model, unwrap=unwrap)
         state_dict = engine.full_state_dict(rank0_only=True)
-        if self.zero_settings.zero3_save_16bit_model and engine.config.is_mixed_precision:
-            dtype, cast = engine.config.param_dtype, {}
+        if self.zero_settings.zero3_save_16bit_model and engine.policies.precision.mixed:
+            dtype, cast = engine.policies.precision.compute_dtype, {}
             for name, tensor in state_dict.items():
                 if tensor.is_floating_point():
                     if id(tensor) not in cast:  # keep tied weights one tensor

@@ -237,7 +237,7 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
         norm = engine.clip_grad_norm_(float(max_norm), norm_type=float(norm_type),
                                       optimizer=self._index_in(engine, optimizer))
         # An fp16 overflow gives an inf norm by design (the step will be skipped).
-        if error_if_nonfinite and not engine.config.uses_loss_scaling and not torch.isfinite(norm):
+        if error_if_nonfinite and not engine.policies.precision.loss_scaling and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of order {norm_type} for gradients is non-finite ({norm.item()})")
         return norm
 

@@ -306,7 +306,7 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
         instance for the duration of the run (removed in teardown)."""
         self._unguard_schedulers(module)
         step_ids = {id(c.scheduler) for c in self.lr_scheduler_configs if c.interval == "step"}
-        if not step_ids or not self._engine.config.uses_loss_scaling:
+        if not step_ids or not self._engine.policies.precision.loss_scaling:
             return
         original = module.lr_scheduler_step
         engine = self._engine

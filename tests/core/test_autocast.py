@@ -70,13 +70,17 @@ def test_autocast_keeps_parameters_fp32_without_a_second_master_copy(results):
 
 def test_autocast_config_dtypes():
     from zero_strategy import ZeroConfig
+    from zero_strategy.policy import Policies
 
-    plain = ZeroConfig(autocast=True)  # fp32: nothing to autocast (a framework's flag may set precision later)
-    assert plain.autocast_dtype is None and plain.param_dtype == torch.float32
-    cfg = ZeroConfig(precision="bf16", autocast=True)
-    assert cfg.param_dtype == torch.float32 and cfg.autocast_dtype == torch.bfloat16
-    assert cfg.grad_reduce_dtype == torch.float32 and not cfg.is_mixed_precision and not cfg.uses_loss_scaling
-    assert ZeroConfig(precision="fp16", autocast=True).uses_loss_scaling
+    def precision(**kw):
+        return Policies.from_config(ZeroConfig(**kw)).precision
+
+    plain = precision(autocast=True)  # fp32: nothing to autocast (a framework's flag may set precision later)
+    assert plain.autocast_dtype is None and plain.compute_dtype == torch.float32
+    cfg = precision(precision="bf16", autocast=True)
+    assert cfg.compute_dtype == torch.float32 and cfg.autocast_dtype == torch.bfloat16
+    assert cfg.reduce_dtype == torch.float32 and not cfg.mixed and not cfg.loss_scaling
+    assert precision(precision="fp16", autocast=True).loss_scaling
 
 
 def test_autocast_context_is_left_when_forward_raises():

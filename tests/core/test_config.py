@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from zero_strategy import config as config_module
 from zero_strategy.config import ZeroConfig
+from zero_strategy.policy import Policies
 
 FIELDS = [f.name for f in dataclasses.fields(ZeroConfig)]
 
@@ -248,8 +249,8 @@ def test_coerce(tmp_path):
     (3, (True, True, True)),
 ])
 def test_stage_implies_what_is_partitioned(stage, expected):
-    cfg = ZeroConfig(stage=stage)
-    assert (cfg.shards_optimizer_state, cfg.shards_gradients, cfg.shards_parameters) == expected
+    sp = Policies.from_config(ZeroConfig(stage=stage)).stage
+    assert (sp.partitions_optimizer_state, sp.shards_gradients, sp.shards_parameters) == expected
 
 
 @pytest.mark.parametrize("precision, dtype, mixed, scaling", [
@@ -258,14 +259,14 @@ def test_stage_implies_what_is_partitioned(stage, expected):
     ("fp16", torch.float16, True, True),
 ])
 def test_precision_properties(precision, dtype, mixed, scaling):
-    cfg = ZeroConfig(precision=precision)
-    assert cfg.param_dtype == dtype and cfg.grad_reduce_dtype == dtype
-    assert (cfg.is_mixed_precision, cfg.uses_loss_scaling) == (mixed, scaling)
+    pp = Policies.from_config(ZeroConfig(precision=precision)).precision
+    assert pp.compute_dtype == dtype and pp.reduce_dtype == dtype
+    assert (pp.mixed, pp.loss_scaling) == (mixed, scaling)
 
 
 def test_reduce_dtype_overrides_grad_reduce_dtype():
-    cfg = ZeroConfig(precision="bf16", reduce_dtype="float32")
-    assert cfg.param_dtype == torch.bfloat16 and cfg.grad_reduce_dtype == torch.float32
+    pp = Policies.from_config(ZeroConfig(precision="bf16", reduce_dtype="float32")).precision
+    assert pp.compute_dtype == torch.bfloat16 and pp.reduce_dtype == torch.float32
 
 
 _any_value = st.one_of(

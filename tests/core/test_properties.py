@@ -40,6 +40,7 @@ from zero_strategy.sharding.planner import (
     plan_replicated_params,
 )
 from zero_strategy.optim.loss_scale import LossScaler
+from zero_strategy.policy import Policies
 
 FIELDS = [f.name for f in dataclasses.fields(ZeroConfig)]
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZeroConfig)}
@@ -180,12 +181,12 @@ def _check_normalised(cfg: ZeroConfig) -> None:
     assert all(isinstance(c, str) and c and c == c.strip() for c in cfg.activation_checkpointing)
     assert not cfg.offload_activations or cfg.activation_checkpointing
     hash(cfg)  # frozen + only hashable field values
-    cfg.param_dtype, cfg.grad_reduce_dtype  # noqa: B018 - must not raise
+    Policies.from_config(cfg)  # must not raise
 
 
 def _check_downstream(cfg: ZeroConfig) -> None:
     """Things that consume a config without a model must accept every accepted config."""
-    scaler = LossScaler.from_config(cfg)
+    scaler = LossScaler.from_config(cfg, Policies.from_config(cfg).precision)
     assert math.isfinite(scaler.scale) and scaler.scale > 0
     for n in (1, 8):
         est = zero_strategy.estimate(

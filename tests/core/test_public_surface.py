@@ -19,8 +19,9 @@ import zero_strategy
 INTEGRATIONS = Path(zero_strategy.__file__).resolve().parent.parent / "integrations"
 PUBLIC_SUBMODULES = ("zero_strategy.agreement", "zero_strategy.checkpoint", "zero_strategy.materialize",
                      "zero_strategy.startup")
-# Engine members that are its parts, not its API (each has a public question instead).
-ENGINE_INTERNALS = {"units", "comm", "phase", "scaler", "reducer", "policies", "gatherer", "orig_dtype_by_id",
+# Engine members that are its parts, not its API (each has a public question instead;
+# ``engine.policies``, the config's answers, is public: docs/core.md "Configuration").
+ENGINE_INTERNALS = {"units", "comm", "phase", "scaler", "reducer", "gatherer", "orig_dtype_by_id",
                     "param_places_of", "trainable_units", "untouched", "disk_offload", "optimizer_set"}
 
 

@@ -46,8 +46,14 @@ _TRAINING = {"the model's forward", "backward", "ZeroEngine.backward()", "ZeroEn
              "ZeroEngine.clip_grad_norm_()", "ZeroEngine.clip_grad_value_()", "torch.nn.utils.clip_grad_norm_()"}
 
 
+_ENGINE_MIXIN_FILES = {"persistence", "reports"}
+
+
 def _api_name(filename: str, func: str) -> str:
     module = os.path.splitext(os.path.basename(filename))[0]
+    # ZeroEngine's methods live in engine.py and in the files its mixins come from.
+    if module in _ENGINE_MIXIN_FILES or (module == "gathered_parameters" and func in ("keep_gathered", "gathered_parameters")):
+        module = "engine"
     if module == "engine":
         if func == "__init__":
             return "zero_strategy.initialize()"

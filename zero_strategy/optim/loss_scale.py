@@ -31,8 +31,9 @@ class LossScaler:
     overflows: int = 0
 
     @classmethod
-    def from_config(cls, config) -> "LossScaler":
-        if not config.uses_loss_scaling:
+    def from_config(cls, config, precision) -> "LossScaler":
+        """``precision``: the PrecisionPolicy (whether this precision scales the loss)."""
+        if not precision.loss_scaling:
             return cls()
         if config.loss_scale > 0:
             return cls(scale=float(config.loss_scale), dynamic=False)
