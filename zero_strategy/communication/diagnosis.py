@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
-import traceback
 from typing import Dict, List, Optional
 
 from .bounded import BoundedStore, StoreUnavailable
@@ -46,15 +46,12 @@ _TRAINING = {"the model's forward", "backward", "ZeroEngine.backward()", "ZeroEn
              "ZeroEngine.clip_grad_norm_()", "ZeroEngine.clip_grad_value_()", "torch.nn.utils.clip_grad_norm_()"}
 
 
-_ENGINE_MIXIN_FILES = {"persistence", "reports"}
-
-
-def _api_name(filename: str, func: str) -> str:
+def _api_name(filename: str, func: str, on_engine: bool) -> str:
+    """``on_engine``: the frame is a ZeroEngine method (defined in engine.py or in a file
+    a mixin of it comes from, such as persistence.py); engine.py's own closures (the
+    end-of-backward callback) count too."""
     module = os.path.splitext(os.path.basename(filename))[0]
-    # ZeroEngine's methods live in engine.py and in the files its mixins come from.
-    if module in _ENGINE_MIXIN_FILES or (module == "gathered_parameters" and func in ("keep_gathered", "gathered_parameters")):
-        module = "engine"
-    if module == "engine":
+    if on_engine or module == "engine":
         if func == "__init__":
             return "zero_strategy.initialize()"
         if func in ("_on_root_pre_forward", "_on_root_post_forward"):
@@ -75,10 +72,15 @@ def _api_name(filename: str, func: str) -> str:
 
 def current_api() -> Optional[str]:
     """The outermost zero_strategy function on this thread's stack: the API the user called."""
-    for frame in traceback.extract_stack()[:-1]:
-        path = os.path.abspath(frame.filename)
-        if path.startswith(_PACKAGE_DIR + os.sep):  # any file of the core, in any of its packages
-            return _api_name(frame.filename, frame.name)
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    for frame in reversed(frames):  # outermost first
+        filename = frame.f_code.co_filename
+        if os.path.abspath(filename).startswith(_PACKAGE_DIR + os.sep):  # any file of the core, in any of its packages
+            on_engine = any(c.__name__ == "ZeroEngine" for c in type(frame.f_locals.get("self")).__mro__)
+            return _api_name(filename, frame.f_code.co_name, on_engine)
     return None
 
 
