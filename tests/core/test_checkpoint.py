@@ -219,3 +219,60 @@ def test_bad_checkpoints_give_errors_naming_the_file(saved_checkpoint, tmp_path)
 
     with pytest.raises(CheckpointError, match="does not exist"):
         _load_single(tmp_path / "nowhere")
+
+
+def _engine_state(engine) -> dict:
+    """Everything a load restores, as comparable values."""
+    opt = engine.full_optimizer_state_dict(rank0_only=False)
+    return dict(model=engine.full_state_dict(rank0_only=False), step=engine.global_step,
+                scaler=engine.scaler.state_dict(), groups=[{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]],
+                state={i: dict(s) for i, s in opt["state"].items()})
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+@pytest.mark.slow
+def test_every_bit_flip_of_the_manifest_is_refused_or_changes_nothing(saved_checkpoint, tmp_path):
+    """Issue #34 item 2: one bit flipped in each byte of a real manifest (bit i mod 8 of
+    byte i).  A flip must either be refused with a CheckpointError, or load exactly the
+    state the undamaged checkpoint loads (a flip inside JSON syntax that changes no value,
+    such as 1e-08 -> 1E-08); never a silently different model, optimizer or step."""
+    import warnings
+
+    import zero_strategy
+    from zero_strategy.checkpoint import CheckpointError
+
+    model, opt = build(dict(optim="adamw", seed=5))  # the saving run's optimizer: two param groups
+    engine = zero_strategy.initialize(model, opt, dict(stage=2))
+    engine.load_checkpoint(saved_checkpoint)
+    reference = _engine_state(engine)
+    damaged = _copy(saved_checkpoint, tmp_path / "flipped")
+    original = (saved_checkpoint / "manifest.json").read_bytes()
+    refused, unchanged, changed = 0, 0, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a flip that leaves an older format version would warn
+        for i in range(len(original)):
+            data = bytearray(original)
+            data[i] ^= 1 << (i % 8)
+            (damaged / "manifest.json").write_bytes(bytes(data))
+            try:
+                engine.load_checkpoint(damaged)
+            except CheckpointError:
+                refused += 1
+                continue
+            if _same(_engine_state(engine), reference):
+                unchanged += 1
+            else:
+                changed.append((i, bytes(original[max(0, i - 20): i + 20]), bytes(data[max(0, i - 20): i + 20])))
+                engine.load_checkpoint(saved_checkpoint)
+    assert not changed, f"{len(changed)} of {len(original)} flips loaded a different state, e.g. {changed[:3]}"
+    assert refused > 0.95 * len(original), (refused, unchanged)
+    engine.close()

@@ -273,12 +273,68 @@ def test_saving_replaces_only_its_own_checkpoints_and_fails_on_every_rank(tmp_pa
 # ---------------------------------------------------------------------------------------
 # damaged checkpoints: a CheckpointError naming the file, on every rank, in seconds
 # ---------------------------------------------------------------------------------------
-def _manifest_edit(fn):
+def _manifest_edit(fn, seal=True):
+    """An edit of the manifest's values.  ``seal``: the manifest's own checksum is
+    recomputed afterwards, as a deliberate editor would, so that the structural checks
+    behind it are what must refuse the edit; unsealed, the checksum must."""
+    from zero_strategy.checkpoint.manifest import seal as reseal
+
     def edit(d: Path) -> None:
         m = json.loads((d / "manifest.json").read_text())
         fn(m)
-        (d / "manifest.json").write_text(json.dumps(m))
+        (d / "manifest.json").write_text(json.dumps(reseal(m) if seal else m))
     return edit
+
+
+def _rename_key(old: str, new: str):
+    def edit(m: dict) -> None:
+        m[new] = m.pop(old)
+    return edit
+
+
+def _group(**values):
+    def edit(m: dict) -> None:
+        m["optimizer"]["param_groups"][0].update(values)
+    return edit
+
+
+def _add_group(m: dict) -> None:
+    opt = m["optimizer"]
+    opt["param_groups"].append(dict(opt["param_groups"][0]))
+    opt["param_names"].append([])
+
+
+def _fifo(name: str):
+    def edit(d: Path) -> None:
+        (d / name).unlink()
+        os.mkfifo(d / name)
+    return edit
+
+
+def _link(name: str, target):
+    """``name`` replaced by a symbolic link to ``target`` (a path, or a callable giving
+    one from the directory)."""
+    def edit(d: Path) -> None:
+        to = target(d) if callable(target) else target
+        (d / name).unlink()
+        os.symlink(to, d / name)
+    return edit
+
+
+def _copy_outside(name: str):
+    def where(d: Path) -> str:
+        out = d.parent / f"{d.name}-outside-{name}"
+        shutil.copy(d / name, out)
+        return str(out)
+    return where
+
+
+def _deep_manifest(d: Path) -> None:
+    (d / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+
+
+def _huge_name(m: dict) -> None:
+    m["tensors"][0]["names"].append("x" * (8 << 20))
 
 
 def _flip(name: str, at: int = -10):
@@ -375,14 +431,47 @@ CORRUPTIONS = {
     "garbage_rank_json": (_garbage("rank00001.json"), ["rank00001.json is not valid JSON"]),
     "edited_rank_json": (_edit_rng, ["rank00000.json is corrupted"]),
     "garbage_safetensors": (_garbage("rank00000.safetensors"), ["rank00000.safetensors is unreadable"]),
-    "short_garbage_safetensors": (_garbage("shared.safetensors", same_size=False), ["shared.safetensors is unreadable or truncated"]),
-    "truncated_shard": (_truncate("rank00001.safetensors"), ["rank00001.safetensors is unreadable or truncated"]),
+    # a size that differs from the manifest's record is refused before any byte is read
+    "short_garbage_safetensors": (_garbage("shared.safetensors", same_size=False),
+                                  ["shared.safetensors has 100 bytes but the manifest records", "truncated or was replaced"]),
+    "truncated_shard": (_truncate("rank00001.safetensors"), ["rank00001.safetensors has", "truncated or was replaced"]),
     "mixed_saves": (_mixed, ["rank00001.safetensors belongs to another save"]),
     "flipped_client_state": (_flip("client_state.pt"), ["client_state.pt"]),
     "unlisted_client_state": (_manifest_edit(lambda m: m["files"].pop("client_state.pt")), ["client_state.pt is not part of this checkpoint"]),
     "v1_garbage_rank_json": (_v1(_garbage("rank00000.json")), ["rank00000.json is not valid JSON"]),
     "v1_garbage_safetensors": (_v1(_garbage("rank00001.safetensors")), ["rank00001.safetensors is unreadable"]),
     "v1_unit_world_1": (_v1(_manifest_edit(lambda m: m["units"][0].update(world=1))), ["units[0].world is 1"]),
+    # The manifest checks itself (issue #34 item 2): a changed value or a renamed key parses
+    # and may pass every structural check, so only its own checksum can tell ...
+    "manifest_step_unsealed": (_manifest_edit(lambda m: m.update(step=m["step"] + 1), seal=False),
+                               ["manifest.json is damaged", "CRC-32"]),
+    "manifest_optimizer_renamed_unsealed": (_manifest_edit(_rename_key("optimizer", "optimizes"), seal=False),
+                                            ["manifest.json is damaged"]),
+    # ... and behind it the values the loader applies are checked against the live optimizer.
+    "manifest_optimizer_renamed": (_manifest_edit(_rename_key("optimizer", "optimizes")), ["manifest.json", "has no 'optimizer'"]),
+    "manifest_optimizer_dropped": (_manifest_edit(lambda m: m.update(optimizer=None)),
+                                   ["has no optimizer section, but its rank files hold optimizer state"]),
+    "group_lr_nan": (_manifest_edit(_group(lr=float("nan"))), ["param_groups[0]['lr']", "not finite"]),
+    "group_lr_text": (_manifest_edit(_group(lr="abc")), ["param_groups[0]['lr'] is 'abc'", "expected a number"]),
+    "group_betas_short": (_manifest_edit(_group(betas=[0.9])), ["param_groups[0]['betas']", "expected 2 values"]),
+    "group_unknown_key": (_manifest_edit(_group(momentum_typo=0.5)), ["'momentum_typo'", "does not have"]),
+    "group_added": (_manifest_edit(_add_group),
+                    ["saved param group(s) but the live optimizer has"]),
+    "deep_manifest": (_deep_manifest, ["manifest.json is not a valid checkpoint file", "nests too deeply"]),
+    "huge_name": (_manifest_edit(_huge_name), ["manifest.json", "a string of 8388608 characters"]),
+    # Special files, as tarballs carry them (issue #34 item 1): refused before a read can
+    # block (a FIFO) or run without end (a link to /dev/zero), on every rank.
+    "fifo_rank_json": (_fifo("rank00000.json"), ["rank00000.json is a FIFO (named pipe), not a regular file"]),
+    "fifo_safetensors": (_fifo("rank00000.safetensors"), ["rank00000.safetensors is a FIFO"]),
+    "fifo_client_state": (_fifo("client_state.pt"), ["client_state.pt is a FIFO"]),
+    "fifo_shared": (_fifo("shared.safetensors"), ["shared.safetensors is a FIFO"]),
+    "fifo_manifest": (_fifo("manifest.json"), ["manifest.json is a FIFO"]),
+    "fifo_config": (_fifo("config.json"), ["config.json is a FIFO"]),
+    "dev_zero_rank_json": (_link("rank00001.json", "/dev/zero"), ["rank00001.json is a symbolic link, not a regular file"]),
+    "dev_zero_manifest": (_link("manifest.json", "/dev/zero"), ["manifest.json is a symbolic link"]),
+    "dev_zero_client_state": (_link("client_state.pt", "/dev/zero"), ["client_state.pt is a symbolic link"]),
+    "link_to_good_copy": (_link("rank00001.safetensors", _copy_outside("rank00001.safetensors")),
+                          ["rank00001.safetensors is a symbolic link"]),
 }
 
 
@@ -392,8 +481,19 @@ def _make_corrupted_copies(root: Path, cases) -> None:
         CORRUPTIONS[case][0](root / case) if case in CORRUPTIONS else _v1()(root / case)
 
 
+def _bound_memory(extra_bytes: int = 6 << 30) -> None:
+    """A read without end (a link to /dev/zero) fails with MemoryError in this process
+    instead of exhausting the machine, should the check against it regress."""
+    import resource
+
+    vm = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+              if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + extra_bytes, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
 def _corruption_worker(rank, ws, root, cases):
     root = Path(root)
+    _bound_memory()
     model, engine = _engine()
     _step(engine, model, rank, ws)
     engine.save_checkpoint(root / "good", client_state={"epoch": 1})
@@ -423,6 +523,7 @@ def test_each_corruption_is_a_checkpoint_error_naming_the_file_on_every_rank(tmp
     out = _results(result, 2)
     for case in cases:
         _assert_all_refused(out, case, *CORRUPTIONS[case][1])
+        assert all(len(out[r][case][1]) < 2000 for r in range(2)), (case, "the message copies the file's content")
         for r in range(2):
             assert out[r][case + "/unchanged"], f"{case}: a refused checkpoint changed the model on rank {r}"
     # A version-1 checkpoint (no checksums) still loads, with a warning.
@@ -433,7 +534,8 @@ def test_each_corruption_is_a_checkpoint_error_naming_the_file_on_every_rank(tmp
     from zero_strategy.checkpoint import CheckpointError, consolidate, load_consolidated_state_dict
     from zero_strategy.cli import main
 
-    for case in ("flipped_data_byte", "swapped_locations", "unit_world_1", "mixed_saves"):
+    for case in ("flipped_data_byte", "swapped_locations", "unit_world_1", "mixed_saves", "manifest_step_unsealed",
+                 "deep_manifest", "fifo_config", "fifo_safetensors", "dev_zero_manifest"):
         needle = CORRUPTIONS[case][1][0]
         with pytest.raises(CheckpointError, match=needle.replace(".", r"\.").replace("'", ".")):
             load_consolidated_state_dict(tmp_path / case)

@@ -1,5 +1,6 @@
 """Partitioned construction and loading: no rank materialises the whole model, values
 do not depend on the world size, and shards equal the matching slices of the file."""
+import json
 import os
 
 import pytest
@@ -111,9 +112,6 @@ def _load_worker(rank, ws, kind, path):
         if not torch.equal(u.params_store.local_values().float(), expect[lo:hi]):
             mismatches.append(u.names[0][0])
     tied = kind == "gpt2" and model.lm_head.weight is model.transformer.wte.weight
-    missing_init = None
-    if kind == "gpt2-missing":
-        pass
     return dict(mismatches=mismatches, peak=peak, tied=tied,
                 full_bytes=sum(t.numel() * t.element_size() for t in full.values()),
                 largest=max(t.numel() * t.element_size() for t in full.values()))
@@ -225,3 +223,56 @@ def test_head_model_loads_a_base_model_checkpoint_by_its_prefix(tmp_path):
         tied = r["sd"]["transformer.wte.weight"] if "transformer.wte.weight" in r["sd"] else r["sd"]["lm_head.weight"]
         assert torch.equal(tied, base.wte.weight.detach())
         assert sum(k in r["sd"] for k in expected) >= len(expected) - 1  # all compared (but one tied name)
+
+
+_READ_WEIGHTS = """
+import json, sys
+from zero_strategy.materialize import weight_files
+for folder in sys.argv[1:]:
+    try:
+        print(json.dumps(str(sorted(weight_files(folder)))), flush=True)
+    except ValueError as e:  # CheckpointError is a ValueError
+        print(json.dumps("refused: " + str(e)), flush=True)
+"""
+
+
+def test_weight_folders_accept_links_to_files_and_refuse_special_files(tmp_path):
+    """Issue #34 item 1, for from_pretrained folders: a weight file may be a symbolic
+    link to a regular file (the Hugging Face cache's snapshots are), but a FIFO would
+    block in safetensors' native open and a link to /dev/zero would read without end.
+    The cases run in a child process with a time limit, so a regression fails here
+    instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    blob = tmp_path / "blobs" / "abc123"
+    blob.parent.mkdir()
+    save_file({"w": torch.ones(3)}, str(blob))
+    cases = {}
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(blob, linked / "model.safetensors")
+    cases["linked"] = (linked, "['w']")
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "model.safetensors")
+    cases["fifo"] = (fifo, "model.safetensors is a FIFO (named pipe), not a regular file")
+    zero_index = tmp_path / "zero_index"
+    zero_index.mkdir()
+    os.symlink("/dev/zero", zero_index / "model.safetensors.index.json")
+    cases["zero_index"] = (zero_index, "model.safetensors.index.json is a character device, not a regular file")
+    indexed_fifo = tmp_path / "indexed_fifo"
+    indexed_fifo.mkdir()
+    (indexed_fifo / "model.safetensors.index.json").write_text('{"weight_map": {"w": "part.safetensors"}}')
+    os.mkfifo(indexed_fifo / "part.safetensors")
+    cases["indexed_fifo"] = (indexed_fifo, "part.safetensors is a FIFO")
+    proc = subprocess.run([sys.executable, "-c", _READ_WEIGHTS, *(str(f) for f, _ in cases.values())],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(lines) == len(cases), proc.stdout
+    for (name, (_, expected)), got in zip(cases.items(), lines):
+        assert expected in got, (name, got)
+        assert got.startswith("refused") == (name != "linked"), (name, got)

@@ -35,6 +35,7 @@ def plant_client_state(checkpoint_dir: Path, marker: Path) -> None:
 def _save_and_reload_worker(rank, ws, path, marker, client_state, weights_only, tamper):
     import zero_strategy
     from zero_strategy import CheckpointError
+    from zero_strategy.checkpoint.manifest import seal
 
     model, opt = build(dict(optim="adamw"))
     engine = zero_strategy.initialize(model, opt, dict(stage=3, param_persistence_threshold=0))
@@ -51,7 +52,8 @@ def _save_and_reload_worker(rank, ws, path, marker, client_state, weights_only, 
             manifest = Path(path) / "manifest.json"
             m = json.loads(manifest.read_text())
             m["loss_scaler"] = tamper
-            manifest.write_text(json.dumps(m))
+            # resealed, as a deliberate editor would: the entry's own validation must refuse it
+            manifest.write_text(json.dumps(seal(m)))
     torch.distributed.barrier()
     try:
         client = engine.load_checkpoint(path, weights_only=weights_only)

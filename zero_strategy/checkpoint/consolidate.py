@@ -3,7 +3,6 @@ whole tensors (no process group), and ``consolidate`` into ordinary safetensors 
 from __future__ import annotations
 
 import functools
-import json
 import os
 from types import SimpleNamespace
 from pathlib import Path
@@ -186,11 +185,9 @@ def _write_consolidated(reader: CheckpointReader, tmp: Path, out_dtype, max_shar
         total = sum(torch.empty((), dtype=e[2]).element_size() * shape_numel(e[3]) for e in entries)
         files.write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     config_path = reader.directory / CONFIG
-    if config_path.exists():
-        try:
-            cfg = json.loads(config_path.read_bytes())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{config_path} is not valid JSON ({e})") from None
+    if os.path.lexists(config_path):
+        record = None if reader.table is None else reader.table.get(CONFIG)
+        cfg = files.read_json(config_path, files.JSON_LIMIT if record is None else record["size"])
         if not isinstance(cfg, dict):
             raise CheckpointError(f"{config_path} must hold an object")
         if out_dtype is not None:

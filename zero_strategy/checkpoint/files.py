@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
 import zlib
@@ -70,6 +71,81 @@ def _fsync_dir(path: Path) -> None:
 
 
 fsync_dir = _fsync_dir
+
+
+# ----------------------------------------------------------------------------------------
+# reading files that arrived from elsewhere
+# ----------------------------------------------------------------------------------------
+# [Note: only regular files are read]
+# Checkpoints travel in tarballs, which carry symlinks, FIFOs and device nodes.  A FIFO
+# blocks open() forever (in safetensors' native code no signal handler runs), and a link
+# to /dev/zero reads without end.  So every file of a checkpoint directory is lstat-ed
+# first and must be a regular file itself (we never write links), its size is compared
+# with the manifest's record before any byte is read, and JSON is read with a bound.
+# Weight folders (from_pretrained) may be links, as the Hugging Face cache's snapshots
+# are, but their targets must be regular files (``follow_links=True``).
+SMALL_JSON_LIMIT = 1 << 20  # bytes: a marker or a lock's body
+JSON_LIMIT = 1 << 30  # bytes: a manifest of a few million tensors; anything larger is not ours
+
+
+def _kind_of(mode: int) -> str:
+    for test, word in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def require_regular(path: Path, *, follow_links: bool = False) -> os.stat_result:
+    """The stat of ``path``, which must be a regular file (itself, unless
+    ``follow_links``); anything else is a CheckpointError naming it."""
+    try:
+        st = os.stat(path) if follow_links else os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(
+            f"{path} is {_kind_of(st.st_mode)}, not a regular file: a checkpoint holds only the regular files it "
+            "was saved with (replace it with the file itself, e.g. extract the archive without links or special files)"
+        )
+    return st
+
+
+def read_bounded(path: Path, limit: int, *, follow_links: bool = False) -> bytes:
+    """The bytes of the regular file ``path``, refused above ``limit`` bytes.  The
+    file is opened without blocking and without following a final link, then checked
+    on its descriptor, so a FIFO or a link swapped in after a check is refused too."""
+    require_regular(path, follow_links=follow_links)
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | (0 if follow_links else getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise CheckpointError(f"{path} cannot be read ({e})") from None
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path} is {_kind_of(st.st_mode)}, not a regular file")
+        if st.st_size > limit:
+            raise CheckpointError(f"{path} has {st.st_size} bytes, more than the {limit} this file may have")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError(f"{path} grew past {limit} bytes while it was read")
+    return data
+
+
+def read_json(path: Path, limit: int = JSON_LIMIT, *, follow_links: bool = False):
+    """``path`` parsed as JSON (see read_bounded); malformed or too deeply nested
+    JSON is a CheckpointError naming the file."""
+    data = read_bounded(path, limit, follow_links=follow_links)
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({str(e)[:200]})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} is not a valid checkpoint file: its JSON nests too deeply") from None
 
 
 # ----------------------------------------------------------------------------------------
@@ -136,22 +212,20 @@ def file_crc32(path: Path) -> int:
 
 
 def verify_file(path: Path, record: dict, identity=None) -> None:
-    """``identity()`` (cheap header checks, if given: they explain a renamed, swapped or
-    mixed-in file better than a size), then size, then CRC-32, against the manifest's
+    """That ``path`` is a regular file of the recorded size (before any byte is read),
+    then ``identity()`` (cheap header checks, if given: they explain a renamed, swapped
+    or mixed-in file better than a checksum), then its CRC-32, against the manifest's
     record for ``path``."""
     if not os.path.lexists(path):
         raise CheckpointError(f"{path} is missing from the checkpoint")
-    if identity is not None:
-        identity()
-    try:
-        size = os.stat(path).st_size
-    except OSError as e:
-        raise CheckpointError(f"{path} cannot be read ({e})") from None
+    size = require_regular(path).st_size  # [Note: only regular files are read]
     if size != record["size"]:
         raise CheckpointError(
             f"{path} has {size} bytes but the manifest records {record['size']}: the file is truncated or was "
             "replaced; the checkpoint is damaged"
         )
+    if identity is not None:
+        identity()
     try:
         crc = file_crc32(path)
     except OSError as e:
@@ -169,8 +243,8 @@ def verify_file(path: Path, record: dict, identity=None) -> None:
 def read_marker(directory: Path) -> Optional[dict]:
     """The marker of ``directory``, or None when it has none (or an unreadable one)."""
     try:
-        m = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        m = read_json(directory / MARKER, SMALL_JSON_LIMIT)
+    except CheckpointError:
         return None
     if not isinstance(m, dict) or m.get("format") not in _KIND_WORDS:
         return None
@@ -190,10 +264,8 @@ def write_marker(directory: Path, kind: str, files: Optional[Iterable[str]] = No
 
 def _v1_manifest(directory: Path) -> bool:
     try:
-        with open(directory / MANIFEST, "rb") as f:
-            head = f.read(1 << 20)
-        m = json.loads(head)
-    except (OSError, ValueError, UnicodeDecodeError):
+        m = read_json(directory / MANIFEST)
+    except CheckpointError:
         return False
     return isinstance(m, dict) and m.get("format") == KIND_CHECKPOINT
 
@@ -404,8 +476,8 @@ def _create_exclusive(path: Path, body: dict) -> bool:
 
 def _read_json(path: Path) -> Optional[dict]:
     try:
-        v = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        v = read_json(path, SMALL_JSON_LIMIT)
+    except CheckpointError:
         return None
     return v if isinstance(v, dict) else None
 

@@ -3,6 +3,7 @@ check everything, agreed), then apply."""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional
@@ -80,11 +81,18 @@ def _plan_load(engine, path: Path, allow_reshard: bool, weights_only) -> _Plan:
         opts = engine.inner_optimizers
         old = saved_optimizers(m)
         restore_optimizer = bool(opts) and old is not None
+        if opts and old is None and _holds_optimizer_state(reader):
+            raise CheckpointError(
+                f"{reader.manifest_path} has no optimizer section, but its rank files hold optimizer state: the manifest "
+                "was damaged or edited, and loading it would silently reset the optimizer (moments and step)"
+            )
         if restore_optimizer:
             saved_classes, classes = [o["cls"] for o in old], [type(o).__name__ for o in opts]
             if saved_classes != classes:
                 raise CheckpointError(f"{reader.directory} holds the state of {' + '.join(saved_classes)} but the engine's "
                                       f"optimizers are {' + '.join(classes)}")
+            for k, (opt, entry) in enumerate(zip(opts, old)):
+                _check_param_groups(reader.manifest_path, k, opt, entry["param_groups"])
         rank_json = functools.lru_cache(maxsize=None)(reader.rank_json)
         if restore_optimizer:
             rank_json(0)  # validated now, before the engine is touched
@@ -94,6 +102,52 @@ def _plan_load(engine, path: Path, allow_reshard: bool, weights_only) -> _Plan:
         reader.close()
         raise
     return _Plan(reader, client, by_name, restore_optimizer, rank_json)
+
+
+def _holds_optimizer_state(reader) -> bool:
+    """Whether rank 0's file holds per-parameter optimizer state (every save with a
+    stepped optimizer writes ``unit<i>.optim_present`` or ``unit<i>.whole_present``)."""
+    return any(reader.keys_with_prefix(0, f"unit{u}.optim_present") or reader.keys_with_prefix(0, f"unit{u}.whole_present")
+               or reader.keys_with_prefix(0, f"unit{u}.optim.") for u in reader.units)
+
+
+def _check_param_groups(where, k: int, opt, saved_groups) -> None:
+    """The saved hyperparameters of optimizer ``k`` fit the live optimizer: as many
+    groups, no key the live groups lack, each value of the live value's type (numbers
+    finite where the live one is; None, torch's "pick the default", fits any type)."""
+    def fail(what: str):
+        raise CheckpointError(f"{where}: optimizers[{k}] ({type(opt).__name__}) {what}; the checkpoint's hyperparameters "
+                              "do not fit this optimizer (a damaged or edited manifest, or another optimizer's checkpoint)")
+
+    if len(saved_groups) != len(opt.param_groups):
+        fail(f"has {len(saved_groups)} saved param group(s) but the live optimizer has {len(opt.param_groups)}")
+    for i, (live, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        for key, value in saved.items():
+            if key not in live:
+                fail(f"param_groups[{i}] names {key!r:.80}, which the live optimizer does not have")
+            problem = _type_problem(live[key], value)
+            if problem:
+                fail(f"param_groups[{i}][{key!r}] is {value!r:.80}: {problem}")
+
+
+def _type_problem(live, saved) -> str:
+    if live is None or saved is None:
+        return ""
+    if isinstance(live, bool) or isinstance(saved, bool):
+        return "" if isinstance(live, bool) and isinstance(saved, bool) else f"expected {type(live).__name__}"
+    if isinstance(live, (int, float)) and not isinstance(live, bool):
+        if not isinstance(saved, (int, float)):
+            return f"expected a number like {live!r:.40}"
+        if math.isfinite(live) and not math.isfinite(saved):
+            return "not finite"
+        return ""
+    if isinstance(live, (tuple, list)):
+        if not isinstance(saved, list) or len(saved) != len(live):
+            return f"expected {len(live)} values like {list(live)!r:.60}"
+        return next((p for p in (_type_problem(a, b) for a, b in zip(live, saved)) if p), "")
+    if isinstance(live, str):
+        return "" if isinstance(saved, str) else "expected a string"
+    return ""  # tensors and other objects are not saved (not JSON); nothing to compare
 
 
 def _apply(engine, plan: _Plan) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import zlib
 from pathlib import Path
 from typing import Any, Dict
 
@@ -28,19 +29,48 @@ from ..dtypes import dtype_from_name
 from ..optim.loss_scale import LossScaler
 
 FORMAT = "zero_strategy.checkpoint"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Version 1: no checksums or identities (loaded with a warning).  Version 2: optimizer
 # state per unit (one scalar state per unit).  Version 3: per parameter, with
-# ``unit<i>.optim_present`` saying which parameters have state at all.
-READABLE_VERSIONS = (1, 2, 3)
+# ``unit<i>.optim_present`` saying which parameters have state at all.  Version 4: the
+# manifest carries its own checksum ([Note: manifest checksum]); earlier versions load
+# with a warning.
+READABLE_VERSIONS = (1, 2, 3, 4)
+CHECKSUMMED_FROM = 4
+CHECKSUM_KEY = "manifest_crc32"
 MAX_WORLD = 1 << 24
 MAX_NUMEL = 1 << 53
+MAX_STRING = 1 << 16  # characters: names, keys, class names
 FILE_NAME = re.compile(r"^(rank(\d{5})\.(safetensors|json)|shared\.safetensors|client_state\.pt|config\.json)$")
 
 
 def layout_digest(world_size: int, units: list, tensors: list) -> str:
     blob = json.dumps({"world_size": world_size, "units": units, "tensors": tensors}, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
+
+
+# [Note: manifest checksum]
+# The file table checksums every other file, so the manifest is the one file whose damage
+# nothing else would show: a flipped bit in a number (a step, a learning rate, an offset
+# that still tiles) or in a key ("optimizer" renamed drops the optimizer state) parses
+# and passes every structural check.  So the manifest records the CRC-32 of its own
+# content: every field but ``manifest_crc32``, as canonical JSON (sorted keys, no
+# spaces).  It detects damage, not intent: anyone who edits the manifest can recompute
+# it, and the structural checks below stay the defence against edited values.
+def manifest_crc32(m: dict) -> int:
+    body = {k: v for k, v in m.items() if k != CHECKSUM_KEY}
+    try:
+        blob = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError):
+        return -1  # nothing a valid manifest holds: compares unequal to any checksum
+    return zlib.crc32(blob.encode())
+
+
+def seal(m: dict) -> dict:
+    """``m`` as it will read back from JSON, with its checksum added."""
+    m = json.loads(json.dumps(m))
+    m[CHECKSUM_KEY] = manifest_crc32(m)
+    return m
 
 
 def rank_file_names(world: int) -> list:
@@ -67,6 +97,8 @@ class _Check:
     def str(self, v, what: str) -> str:
         if not isinstance(v, str):
             self.fail(f"{what} must be a string, got {v!r:.80}")
+        if len(v) > MAX_STRING:  # so that no message below copies it whole
+            self.fail(f"{what} is a string of {len(v)} characters (at most {MAX_STRING})")
         return v
 
     def int(self, v, what: str, lo: int = 0, hi: int = MAX_NUMEL) -> int:
@@ -92,6 +124,16 @@ def validate(m: Any, path: Path) -> None:
             f"{path} has format version {version!r}; this library reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     top = "the manifest"
+    if version >= CHECKSUMMED_FROM:
+        recorded = m.get(CHECKSUM_KEY)
+        if recorded is None:
+            c.fail(f"it has no {CHECKSUM_KEY!r} (every format-version-{version} manifest records its checksum)")
+        if recorded != manifest_crc32(m):
+            raise CheckpointError(
+                f"{path} is damaged: its content does not match the CRC-32 it records ({CHECKSUM_KEY}), so a value in it "
+                "changed after the save (a flipped bit, an edit or a bad copy); the checkpoint cannot be trusted"
+            )
+        c.key(m, "optimizer", top)  # written by every save (null without an optimizer): a renamed key is damage
     world = c.int(c.key(m, "world_size", top), "world_size", 1, MAX_WORLD)
     c.int(c.key(m, "stage", top), "stage", 0, 3)
     c.int(c.key(m, "step", top), "step")

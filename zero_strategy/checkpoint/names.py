@@ -26,8 +26,11 @@ slice arithmetic: each rank reads, from the old shard files, exactly the ranges 
 overlap its new shard (safetensors reads slices without loading whole files).
 
 [Note: integrity]
-The manifest (format version 2) lists every file with its size and CRC-32, computed
-while the file streams out, and a random ``checkpoint_id`` of the save.  Each rank
+The manifest (format version 2 on) lists every file with its size and CRC-32, computed
+while the file streams out, and a random ``checkpoint_id`` of the save; from version 4
+it records the CRC-32 of its own content too ([Note: manifest checksum] in
+manifest.py).  Only regular files are read, each compared with its recorded size
+first ([Note: only regular files are read] in files.py).  Each rank
 file's safetensors header (and its JSON sidecar) records its rank, the world size,
 the checkpoint id and the layout digest ([Note: layout digest] in
 manifest.py).  Loading validates the manifest's structure and arithmetic

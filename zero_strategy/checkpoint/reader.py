@@ -3,7 +3,6 @@ slices of its tensors read whatever world size wrote them ([Note: checkpoint lay
 in checkpoint/names.py)."""
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import re
@@ -34,17 +33,12 @@ class CheckpointReader:
         self.directory = found  # ``<dir>.old`` when a save was interrupted between its two renames
         path = found / MANIFEST
         self.manifest_path = path
-        if not path.is_file():
+        if not os.path.lexists(path):
             if is_offload_directory(found):
                 raise CheckpointError(f"{found} is a disk-offload directory of a running (or killed) engine "
                                       "(nvme_path), not a checkpoint: pass the directory given to save_checkpoint")
             raise CheckpointError(f"{path} is missing: not a zero_strategy checkpoint, or its save did not finish")
-        try:
-            self.manifest = json.loads(path.read_bytes())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-        except OSError as e:
-            raise CheckpointError(f"{path} cannot be read ({e})") from None
+        self.manifest = files.read_json(path)  # [Note: only regular files are read]
         validate(self.manifest, path)
         m = self.manifest
         self.version = m["format_version"]
@@ -61,6 +55,12 @@ class CheckpointReader:
         self.table: Optional[dict] = m.get("files") if self.version >= 2 else None
         self._handles: Dict[str, object] = {}
         self._key_sets: Dict[int, frozenset] = {}
+        if self.version == 2 or self.version == 3:
+            warnings.warn(
+                f"{path} is a format-version-{self.version} checkpoint: its manifest records no checksum of itself, so a "
+                "damaged manifest cannot be detected. Load it and save it again to upgrade it",
+                stacklevel=3,
+            )
         if self.version < 2:
             warnings.warn(
                 f"{path} is a format-version-{self.version} checkpoint: it has no checksums or file identities, so a "
@@ -136,14 +136,14 @@ class CheckpointReader:
         for key in f.keys():
             match = TENSOR_KEY.match(key)
             if match is None or int(match.group(1)) not in self.units:
-                raise CheckpointError(f"{path} holds {key!r}, which the manifest's units do not explain")
+                raise CheckpointError(f"{path} holds {key!r:.80}, which the manifest's units do not explain")
             index = int(match.group(1))
             shape = _shape(f, key, path)
             per_param = (key.endswith(".optim_present") or key.endswith(".whole_present")
                          or (match.group(4) is not None and self.version >= 3))
             if match.group(5) is not None:  # whole state: any shape, of a parameter the unit holds
                 if int(match.group(5)) >= self.params_in_unit.get(index, 0):
-                    raise CheckpointError(f"{path} holds {key!r}, but unit {index} has {self.params_in_unit.get(index, 0)} parameters")
+                    raise CheckpointError(f"{path} holds {key!r:.80}, but unit {index} has {self.params_in_unit.get(index, 0)} parameters")
             elif per_param:
                 if shape != [self.params_in_unit.get(index, 0)]:
                     raise CheckpointError(
@@ -175,7 +175,7 @@ class CheckpointReader:
         for entry in self.manifest["tensors"]:
             if entry["unit"] is None:
                 if entry["key"] not in keys:
-                    raise CheckpointError(f"{path} has no {entry['key']!r}, which the manifest places there")
+                    raise CheckpointError(f"{path} has no {entry['key']!r:.80}, which the manifest places there")
                 n = 1
                 for s in _shape(f, entry["key"], path):
                     n *= s
@@ -183,7 +183,7 @@ class CheckpointReader:
                     raise CheckpointError(f"{path}: {entry['key']} holds {n} elements, the manifest says shape {entry['shape']}")
         for b in self.manifest.get("buffers", []):
             if f"buffer.{b}" not in keys:
-                raise CheckpointError(f"{path} has no buffer {b!r}, which the manifest lists")
+                raise CheckpointError(f"{path} has no buffer {b!r:.80}, which the manifest lists")
 
     # -- files ---------------------------------------------------------------------------
     def _open(self, path: Path):
@@ -191,12 +191,13 @@ class CheckpointReader:
         if key not in self._handles:
             from safetensors import safe_open
 
-            if not path.exists():
+            if not os.path.lexists(path):
                 raise CheckpointError(f"{path} is missing from the checkpoint (world size {self.world} needs one file per rank)")
+            files.require_regular(path)  # a FIFO would block inside safetensors' native open
             try:
                 self._handles[key] = safe_open(str(path), framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors raises several types
-                raise CheckpointError(f"{path} is unreadable or truncated ({e})") from None
+                raise CheckpointError(f"{path} is unreadable or truncated ({str(e)[:200]})") from None
         return self._handles[key]
 
     def _rank_tensor_slice(self, rank: int, key: str, lo: int, hi: int) -> torch.Tensor:
@@ -248,14 +249,10 @@ class CheckpointReader:
 
     def rank_json(self, rank: int) -> dict:
         path = rank_file(self.directory, rank, "json")
-        try:
-            rj = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path} is missing from the checkpoint") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path} is not valid JSON ({e})") from None
-        except OSError as e:
-            raise CheckpointError(f"{path} cannot be read ({e})") from None
+        if not os.path.lexists(path):
+            raise CheckpointError(f"{path} is missing from the checkpoint")
+        record = None if self.table is None else self.table.get(path.name)
+        rj = files.read_json(path, files.JSON_LIMIT if record is None else record["size"])
         if not isinstance(rj, dict):
             raise CheckpointError(f"{path} must hold an object, got {type(rj).__name__}")
         rng = rj.get("rng_cpu", [])
@@ -316,17 +313,20 @@ class CheckpointReader:
         restricted = weights_only is None or bool(weights_only)
         if self.table is not None and record is None:
             if os.path.lexists(path):
-                if restricted:
+                if restricted and os.path.isfile(path) and not os.path.islink(path):
                     load_client_state(path, weights_only=True)  # refuses foreign objects as such; runs nothing
                 raise CheckpointError(
                     f"{path} is not part of this checkpoint (its manifest lists no client state): it was added after "
                     "the save; remove it"
                 )
             return None
-        if not path.exists():
+        if not os.path.lexists(path):
             if record is not None:
                 raise CheckpointError(f"{path} is missing from the checkpoint")
             return None
+        size = files.require_regular(path).st_size
+        if record is not None and size != record["size"] and size > files.JSON_LIMIT:
+            files.verify_file(path, record)  # too large to be read only to explain what else it holds
         if restricted:
             client = load_client_state(path, weights_only=True)
             if record is not None:

@@ -12,7 +12,7 @@ import torch
 
 from . import files
 from .files import CheckpointError
-from .manifest import FORMAT, FORMAT_VERSION, layout_digest
+from .manifest import FORMAT, FORMAT_VERSION, layout_digest, seal
 from ..dtypes import dtype_name
 from .safetensors_io import StreamingSafetensorsWriter
 
@@ -46,14 +46,14 @@ def _manifest(engine, units: list, tensors: list, checkpoint_id: str, table: dic
     saved = [_optimizer_entry(engine, k) for k in range(len(engine.inner_optimizers))]
     # One optimizer: "optimizer" (as every earlier version wrote it); several: "optimizers".
     optimizers = dict(optimizer=saved[0] if saved else None) if len(saved) <= 1 else dict(optimizer=None, optimizers=saved)
-    return dict(
+    return seal(dict(
         format=FORMAT, format_version=FORMAT_VERSION, library_version=__version__, checkpoint_id=checkpoint_id,
         world_size=engine.comm.world_size, stage=engine.policies.stage.stage, precision=cfg.precision, config=cfg.to_dict(),
         model_class=type(engine.module).__name__, tensors=tensors, units=units,
         buffers=_persistent_buffer_names(engine.module),
         **optimizers,
         loss_scaler=engine.scaler.state_dict(), step=engine.global_step, checksum="crc32", files=table,
-    )
+    ))
 
 
 def _optimizer_entry(engine, k: int) -> dict:

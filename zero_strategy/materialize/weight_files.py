@@ -3,23 +3,29 @@ single file, or an index whose file names may not lead outside the folder), and 
 model's names map to a file's keys (prefixes added or dropped, as transformers does)."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Callable, Dict, Optional
+
+from ..checkpoint.files import CheckpointError, read_json, require_regular
 
 
 def weight_files(path) -> Dict[str, Path]:
     """name -> safetensors file, for a file, or a directory with one file or an index
     (``model.safetensors.index.json``; its file names may not lead outside the folder)."""
     path = Path(path)
-    if path.is_file():
+    if os.path.lexists(path) and not path.is_dir():  # a file (or something posing as one: refused below)
         files = [path]
     else:
         index = path / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {k: file_inside(path, v, index) for k, v in weight_map.items()}
+        if os.path.lexists(index):
+            weight_map = read_json(index, follow_links=True)
+            if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+                raise CheckpointError(f"{index} must hold an object with a 'weight_map' object")
+            found = {k: file_inside(path, v, index) for k, v in weight_map["weight_map"].items()}
+            for f in set(found.values()):
+                require_regular(f, follow_links=True)
+            return found
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no .safetensors weights in {path} (looked for model.safetensors or an index)")
@@ -27,6 +33,9 @@ def weight_files(path) -> Dict[str, Path]:
 
     out = {}
     for f in files:
+        # Links are followed (the Hugging Face cache's snapshots are links to blobs), but a
+        # FIFO or a device would block or read without end inside safetensors' native open.
+        require_regular(f, follow_links=True)
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():
                 out[k] = f
