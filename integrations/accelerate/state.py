@@ -13,15 +13,12 @@ docs/checkpoints.md).
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict
 
-from pathlib import Path
-
 import torch
 
-from zero_strategy.materialize import file_inside
+from zero_strategy.materialize import weight_files
 
 CHECKPOINT_SUBDIR = "zero_checkpoint"
 
@@ -58,14 +55,11 @@ def read_consolidated_weights(folder: str) -> Dict[str, torch.Tensor]:
 
     single = os.path.join(folder, "model.safetensors")
     index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        return load_file(single, device="cpu")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.lexists(single) or os.path.lexists(index):
+        # weight_files refuses FIFOs, devices and index entries that lead outside the folder
         out: Dict[str, torch.Tensor] = {}
-        for name in files:
-            out.update(load_file(str(file_inside(Path(folder), name, Path(index))), device="cpu"))
+        for f in sorted(set(weight_files(single if os.path.lexists(single) else folder).values())):
+            out.update(load_file(str(f), device="cpu"))
         return out
     binary = os.path.join(folder, "pytorch_model.bin")
     if os.path.isfile(binary):
