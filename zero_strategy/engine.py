@@ -236,6 +236,8 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
 
     def _on_root_pre_forward(self, args, kwargs):
         self._check_open()
+        if torch.is_grad_enabled() and self.module.training:
+            self.comm.training_forwards += 1  # [Note: a skipped batch] in communication/diagnosis.py
         if self.gatherer is not None:
             self.gatherer.begin_forward()
         if torch.is_grad_enabled() and self._synced:

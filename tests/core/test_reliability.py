@@ -65,6 +65,62 @@ def _errors(result, ws):
 
 
 # ---------------------------------------------------------------------------------------
+# a rank that catches an exception and skips a batch (issue #34 item 5)
+# ---------------------------------------------------------------------------------------
+def _skip_worker(rank, ws, stage, accum):
+    """The loop every user writes: forward, backward (no_sync until the accumulation
+    boundary), step.  First, rank 0 alone runs forwards the others do not (under
+    torch.no_grad(), and in eval mode), which must change nothing; then rank 1 hits a bad
+    sample after its forward at batch 2, catches the exception and goes on."""
+    model, engine = _engine(dict(stage=stage))
+    done = []
+    for i in range(6):
+        try:
+            loss = model(_batch(rank, i))
+            # (stage 3 gathers in every forward, so there one-rank forwards diverge anyway)
+            if rank == 0 and i == 0 and stage < 3:
+                with torch.no_grad():
+                    model(_batch(rank, 99))  # a one-rank forward: logging, a sample
+            if rank == 0 and i == 1 and stage < 3:
+                model.eval()
+                model(_batch(rank, 98))
+                model.train()
+            if rank == 1 and i == 2:
+                raise ValueError("bad sample")
+            if (i + 1) % accum:
+                with engine.no_sync():
+                    engine.backward(loss)
+            else:
+                engine.backward(loss)
+                engine.step()
+                engine.zero_grad()
+            done.append(i)
+        except ValueError:
+            done.append(f"skipped {i}")
+            continue
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage, accum", [(2, 2), (3, 1)])
+def test_a_rank_that_skips_a_batch_fails_with_every_rank_at_its_next_collective(stage, accum):
+    """Before, the skipping rank's collectives paired one batch off with its peers'
+    (same step, same buckets): gradients of different batches were averaged, the
+    skipping rank finished and exited 0, and the other failed only at its last batch
+    (with accumulation, gloo aborted it on a longer message).  Now the first collective
+    after the skip fails on both ranks, each naming its training-forward count."""
+    result = run_distributed_outcomes(_skip_worker, 2, stage, accum, timeout=3 * BOUND)
+    errors = _errors(result, 2)
+    assert result["seconds"] < BOUND, result
+    forwards = {0: "after training forward 3", 1: "after training forward 4"}
+    for r, text in errors.items():
+        assert "CollectiveError" in text and "ranks diverged" in text, (r, text)
+        assert forwards[r] in text, (r, text)
+        assert "a rank skipped a batch (caught an exception and went on)" in text, (r, text)
+        assert "(collective #1 of step 6" not in text  # not at the end of the run
+
+
+# ---------------------------------------------------------------------------------------
 # ranks that run different modules (stage 3)
 # ---------------------------------------------------------------------------------------
 def _diverge_worker(rank, ws, config):

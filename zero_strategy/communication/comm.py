@@ -198,7 +198,11 @@ class Communicator:
         self.check_order = False
         self.step = 0
         self._call = 0
-        self.position: Optional[Tuple[int, int, str, str]] = None  # (step, call, kind, label)
+        # Training forwards (grad enabled, module in training mode) begun on this rank:
+        # part of every header, so a rank that skipped a batch is caught at its next
+        # collective ([Note: a skipped batch] in diagnosis.py).
+        self.training_forwards = 0
+        self.position: Optional[Tuple[int, int, str, str, int]] = None  # (step, call, kind, label, training forwards)
         self._labels: Dict[int, str] = {}
         self._failed: Optional[str] = None
         backend = dist.get_backend(process_group) if process_group is not None else None
@@ -238,12 +242,12 @@ class Communicator:
                 "the last checkpoint."
             )
         self._call += 1
-        self.position = (self.step, self._call, kind, label)
+        self.position = (self.step, self._call, kind, label, self.training_forwards)
         if self.check_order and self.world_size > 1:
             self._check_same_position()
         if not self.headers:
             return self.position, None
-        text = f"{kind} for {label}"
+        text = f"{kind} for {label} after training forward {self.training_forwards}"
         ident = C.Identity.of(self.step, self._call, text, tensor.dtype if tensor is not None else torch.int64, numel)
         self._labels[ident.text_code] = text
         return self.position, ident
@@ -251,8 +255,8 @@ class Communicator:
     _describe = staticmethod(describe)
 
     def _check_same_position(self) -> None:
-        step, call, kind, label = self.position
-        text = f"{kind} for {label}"
+        step, call, kind, label, forwards = self.position
+        text = f"{kind} for {label} after training forward {forwards}"
         code = zlib.crc32(text.encode())  # stable across processes, unlike hash()
         self._labels[code] = text
         mine = torch.tensor([step, call, code], dtype=torch.int64, device=self._control_device())
@@ -269,8 +273,9 @@ class Communicator:
         raise CollectiveError(
             "ranks diverged (check_call_order): they are about to issue different collectives, so the "
             "modules they run differ (a branch taken on some ranks only, a different number of forward "
-            "passes or generate() steps). Every rank must call the same modules in the same order under "
-            "ZeRO stage 3; run the extra work on every rank or outside the engine's model.\n" + "\n".join(lines)
+            "passes or generate() steps, a batch skipped on some ranks). Every rank must call the same modules in "
+            "the same order under ZeRO stage 3; run the extra work on every rank or outside the engine's model.\n"
+            + "\n".join(lines)
         )
 
     def _control_device(self) -> torch.device:

@@ -34,11 +34,23 @@ def report_window(timeout: Optional[float]) -> float:
     return min(timeout, REPORT_WINDOW) if timeout else REPORT_WINDOW
 
 
+# [Note: a skipped batch]
+# A rank that catches an exception and goes on to its next batch (a bad sample, an OOM
+# in one forward) has run one training forward more, or one backward less, than its
+# peers, yet its next collectives can look exactly like theirs: same step (the optimizer
+# did not step on anyone yet), same call numbers, same buckets.  They would pair one
+# batch off, average gradients of different batches, and the run would fail only at the
+# end, where one rank has a batch left (or gloo aborts a process when sizes differ).  So
+# every header also carries how many training forwards (grad enabled, module in
+# training mode) this rank has begun: the first collective after the skip differs on
+# every rank.  Forwards under torch.no_grad() or in eval mode (evaluation, generate(),
+# a frozen reference model) are not counted, so they may differ between ranks as under
+# DDP.
 def describe(position) -> str:
     if position is None:
         return "no ZeRO collective yet"
-    step, call, kind, label = position
-    return f"{kind} for {label} (collective #{call} of step {step})"
+    step, call, kind, label, forwards = position
+    return f"{kind} for {label} (collective #{call} of step {step}, after training forward {forwards})"
 
 
 # -- which API a rank is in ---------------------------------------------------------------------
@@ -204,7 +216,10 @@ def build_error(*, me: int, ranks: List[int], mine: dict, reason: str, position,
             "ranks diverged: they issued different collectives at the same point (detected in-band, from the "
             "header every collective carries), so the modules they run differ (a branch taken on some ranks "
             "only, a different number of forward passes or generate() steps) or a collective API was called on "
-            "some ranks only. Every rank must call the same modules in the same order under ZeRO stage 3 "
+            "some ranks only. Where the ranks name the same collective after a different training forward, a rank "
+            "skipped a batch (caught an exception and went on) or ran a training forward the others did not: run "
+            "one-rank forwards under torch.no_grad(), and let an exception on one rank stop every rank. Every rank "
+            "must call the same modules in the same order under ZeRO stage 3 "
             "(check_call_order=True stops at the first module call that differs, before its collective is "
             "issued, and names it on every rank)"
         )

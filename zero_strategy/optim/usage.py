@@ -55,11 +55,17 @@ class UsageAgreement:
         s = self._sharded
         return not (s.policies.precision.loss_scaling or not s.trainable_units or s.compute_device().type == "meta")
 
-    def rider(self) -> Optional[torch.Tensor]:
-        """The flag the last gradient collective carries (gloo), or None."""
+    def rider(self, synced: bool = True) -> Optional[torch.Tensor]:
+        """The flag the last gradient collective carries (gloo), or None.  A backward
+        that does not synchronise (no_sync) carries a zero in its place, unread: the
+        collective then has the same size either way, so ranks that disagree on whether
+        this micro-batch ends a step (one skipped a batch) fail on the header instead
+        of gloo aborting the receiving process on a longer message."""
         s = self._sharded
         if not (s.comm.carries_riders and self._wanted()):
             return None
+        if not synced:
+            return torch.zeros(1, device=s.compute_device())
         missed = any(len(u.grads.received) < len(u.params) for u in s.trainable_units)
         self._rider = torch.tensor([1.0 if missed else 0.0], device=s.compute_device())
         return self._rider

@@ -9,10 +9,11 @@ collectives in the same sequence even when a parameter gets no gradient on one r
 (an unused branch), which is what keeps mismatched collectives from hanging or
 silently mixing buffers.
 
-The last unit's collective of a synchronised backward may carry the engine's rider
-(``rider``: a callable returning a small tensor of flags, or None), summed over ranks
-along with the gradients ([Note: riders] in collectives.py); it is read after
-:meth:`flush` has waited.
+The last unit's collective may carry the engine's rider (``rider(synced)``: a callable
+returning a small tensor of flags, or None), summed over ranks along with the gradients
+([Note: riders] in collectives.py); a synchronised backward's is read after
+:meth:`flush` has waited, a no_sync backward's is a zero placeholder that keeps the
+collective the same size.
 
 Reduction happens on synchronised backward passes; inside ``no_sync`` stages 0 and 1
 only accumulate locally, while stages 2 and 3 still reduce every micro-batch (their
@@ -69,7 +70,7 @@ class GradientReducer:
         full = grads.reduction_input(self.comm.world_size)
         label = f"the gradients of {unit.label}"
         # Every unit was launched before the last one, so whatever the rider reports is final.
-        rider = self.rider() if synced and self.rider is not None and i == len(self.units) - 1 else None
+        rider = self.rider(synced) if self.rider is not None and i == len(self.units) - 1 else None
         if not isinstance(rider, torch.Tensor):
             rider = None  # none wanted, or (held weakly) its engine is gone
         if grads.collective == "all_reduce":
