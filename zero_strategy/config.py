@@ -279,7 +279,9 @@ class ZeroConfig:
     saving 4 bytes per frozen parameter / N (stages 1-3) or 4 bytes (stage 0)."""
 
     loss_scale: float = 0.0
-    """fp16 only: 0 = dynamic loss scaling, > 0 = a static scale applied to every loss."""
+    """fp16 only: 0 = dynamic loss scaling, > 0 = a static scale applied to every loss,
+    between 2**-126 and 2**126 (gradients are unscaled by 1/scale in fp32, which must
+    stay finite)."""
 
     initial_scale_power: int = 16
     """fp16 dynamic scaling starts at 2**initial_scale_power (0..64)."""
@@ -291,7 +293,8 @@ class ZeroConfig:
     """fp16 dynamic scaling: overflows tolerated before the scale is lowered (>= 1)."""
 
     min_loss_scale: float = 1.0
-    """fp16 dynamic scaling never lowers the scale below this (> 0)."""
+    """fp16 dynamic scaling never lowers the scale below this (at least 2**-126, for the
+    same reason)."""
 
     gradient_clipping: float = 0.0
     """Clip the global gradient norm to this in step() (>= 0; 0 = off). Done by ZeRO
