@@ -39,9 +39,10 @@ def _apply(name, model, variant):
 
 
 def reference(name, variant, ws=2):
+    # Eager, also for the compiled variants: compiled ZeRO must equal plain torch (to the
+    # tolerance of fp32 reordering), and one compile fewer saves half a minute.
     model = _apply(name, zoo.build_model(name), variant)
-    run = torch.compile(model) if variant.startswith("compile") else model
-    return single_process_reference(name, ws, model=model, run=run)
+    return single_process_reference(name, ws, model=model, run=model)
 
 
 def reference_bf16(name, ws=2):
