@@ -7,12 +7,11 @@ and register both in SUBCOMMANDS at the bottom of this file.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from decimal import Decimal, InvalidOperation
 from typing import Callable, Optional, Sequence
 
-from .estimate import (OVERHEAD_DESCRIPTIONS, SAVING_DESCRIPTIONS, STAGE_NAMES, disk_offload_estimate, estimate,
-                       largest_fitting, optimizer_bytes_per_param)
 
 _SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
@@ -71,10 +70,6 @@ def _world_sizes(values: Optional[list]) -> list:
     return sizes
 
 
-def _gb(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:,.2f} GB ({num_bytes:,} B)"
-
-
 # -- estimate ------------------------------------------------------------------------
 
 
@@ -106,10 +101,10 @@ def _add_estimate_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
-    sizes = _world_sizes(args.world_size)
     # Unless told otherwise, show the overheads of the default configuration: bucket
     # sizes from ZeroConfig, and units of one reduce bucket each.
     from .config import ZeroConfig
+    from .estimate_report import EstimateRequest, print_report
 
     defaults = ZeroConfig()
     bucket = args.reduce_bucket_size or defaults.reduce_bucket_size
@@ -120,125 +115,12 @@ def _run_estimate(args: argparse.Namespace) -> int:
         persistent_params=args.persistent_params or 0,
         largest_unit=args.largest_unit or 0,
     )
-    k = optimizer_bytes_per_param(args.optimizer, args.precision)
-    budget = args.memory_per_rank
-    header = ("stage", "name", "params", "grads", "optimizer states",
-              "total (formula)", "total with overheads", "ours: backward-step", "ours: between steps")
-    for n in sizes:
-        results = [estimate(args.params, n, s, args.precision, args.optimizer, **overhead_args)
-                   for s in range(4)]
-        print(f"Model states per rank: {args.params:,} parameters, N = {n}, "
-              f"precision {args.precision}, optimizer {args.optimizer} (K = {k} bytes/param)")
-        rows = [header + ((f"fits in {_gb(budget)}",) if budget is not None else ())] + [
-            (str(s), STAGE_NAMES[s], _gb(r.parameters), _gb(r.gradients),
-             _gb(r.optimizer_states), _gb(r.total), _gb(r.total_with_overheads),
-             _gb(r.held_during_step), _gb(r.held_between_steps))
-            + ((_fits(r.held_during_step, budget),) if budget is not None else ())
-            for s, r in enumerate(results)
-        ]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        _print_overheads(results)
-        _print_savings(results)
-        _print_disk_offload(args, n)
-        if budget is not None:
-            _print_largest(args, n, overhead_args, bucket)
-        print()
+    print_report(EstimateRequest(
+        params=args.params, world_sizes=_world_sizes(args.world_size), precision=args.precision,
+        optimizer=args.optimizer, overhead_args=overhead_args, grow_units_with_model=not args.num_units,
+        inflight_bytes=defaults.nvme_inflight_bytes, memory_per_rank=args.memory_per_rank,
+        disk_per_rank=args.disk_per_rank))
     return 0
-
-
-def _fits(needed: int, budget: int) -> str:
-    return "yes" if needed <= budget else f"NO: {(needed - budget) / 1e9:,.2f} GB over"
-
-
-def _disk_rows(args: argparse.Namespace):
-    """(stage, what is offloaded, offload_param) of the disk-offload table."""
-    return ((1, "optimizer", False), (2, "optimizer", False), (3, "optimizer", False), (3, "optimizer + params", True))
-
-
-def _print_largest(args: argparse.Namespace, n: int, overhead_args: dict, bucket: int) -> None:
-    """The largest parameter count each configuration fits in --memory-per-rank (and
-    --disk-per-rank for disk offload), by the same estimates as the tables above."""
-    from .config import ZeroConfig
-
-    budget, disk = args.memory_per_rank, args.disk_per_rank
-    inflight = ZeroConfig().nvme_inflight_bytes
-    print(f"Largest model whose model states fit in {_gb(budget)} per rank (N = {n}; 'ours: backward-step'"
-          + (f"; disk offload also within {_gb(disk)} of disk per rank" if disk is not None else "") + "):")
-
-    def held(stage):
-        def needed(psi):
-            kw = dict(overhead_args)
-            if not args.num_units:  # the default: one unit per reduce bucket, so it grows with the model
-                kw["num_units"] = max(1, -(-psi // bucket))
-            kw["persistent_params"] = min(kw["persistent_params"], psi)
-            return estimate(psi, n, stage, args.precision, args.optimizer, **kw).held_during_step
-        return needed
-
-    rows = [("configuration", "largest model (parameters)")]
-    for stage in range(4):
-        rows.append((f"stage {stage}", f"{largest_fitting(held(stage), budget):,}"))
-    for stage, what, offload_param in _disk_rows(args):
-        def ram(psi, stage=stage, offload_param=offload_param):
-            return disk_offload_estimate(psi, n, stage, args.precision, args.optimizer, offload_param=offload_param,
-                                         inflight_bytes=inflight).ram
-        psi = largest_fitting(ram, budget)
-        limit = "memory"
-        if disk is not None:
-            def on_disk(p, stage=stage, offload_param=offload_param):
-                return disk_offload_estimate(p, n, stage, args.precision, args.optimizer,
-                                             offload_param=offload_param, inflight_bytes=inflight).disk
-            by_disk = largest_fitting(on_disk, disk)
-            if by_disk < psi:
-                psi, limit = by_disk, "disk"
-        rows.append((f"stage {stage} + disk offload ({what})", f"{psi:,} (limited by {limit})"))
-    widths = [max(len(row[i]) for row in rows) for i in range(2)]
-    for row in rows:
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-
-
-def _print_disk_offload(args: argparse.Namespace, n: int) -> None:
-    from .config import ZeroConfig
-
-    inflight = ZeroConfig().nvme_inflight_bytes
-    print(f"With disk offload (offload_optimizer: nvme; nvme_inflight_bytes {inflight:,}), per rank:")
-    budget, disk = args.memory_per_rank, args.disk_per_rank
-    rows = [("stage", "offload", "RAM (backward-step)", "disk")
-            + ((f"fits in {_gb(budget)}",) if budget is not None else ())
-            + ((f"fits in {_gb(disk)} of disk",) if disk is not None else ())]
-    for stage, on_disk, offload_param in _disk_rows(args):
-        r = disk_offload_estimate(args.params, n, stage, args.precision, args.optimizer,
-                                  offload_param=offload_param, inflight_bytes=inflight)
-        rows.append((str(stage), on_disk, _gb(r.ram), _gb(r.disk))
-                    + ((_fits(r.ram, budget),) if budget is not None else ())
-                    + ((_fits(r.disk, disk),) if disk is not None else ()))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-
-
-def _print_savings(results: list) -> None:
-    terms = [t for t in SAVING_DESCRIPTIONS if any(t in r.savings for r in results)]
-    if terms:
-        print("Below the formula:")
-    for term in terms:
-        print(f"  {term}: {SAVING_DESCRIPTIONS[term]}")
-    print("  stages 2-3 free their gradient shards in step(): 'between steps' leaves them out")
-
-
-def _print_overheads(results: list) -> None:
-    terms = [t for t in OVERHEAD_DESCRIPTIONS if any(t in r.overheads for r in results)]
-    if not terms:
-        print("Overheads: none requested (pass --reduce-bucket-size, --num-units, "
-              "--largest-unit, --prefetch-bucket-size or --persistent-params).")
-        return
-    print("Overheads this implementation adds beyond the paper's formula:")
-    for term in terms:
-        print(f"  {term}: {OVERHEAD_DESCRIPTIONS[term]}")
-        for stage, r in enumerate(results):
-            if term in r.overheads:
-                print(f"    stage {stage}: {_gb(r.overheads[term])}")
 
 
 # -- consolidate ---------------------------------------------------------------------
@@ -266,22 +148,57 @@ def _run_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- help ----------------------------------------------------------------------------
+
+_CHECKPOINT_COMMANDS = """\
+consolidating checkpoints:
+  zero-strategy consolidate CKPT_DIR OUT_DIR
+      a directory written by engine.save_checkpoint -> safetensors weights
+  python -m zero_strategy.integrations.lightning.consolidate CKPT_DIR OUT.ckpt
+      Lightning: a ZeroStrategy checkpoint directory -> one ordinary .ckpt file
+      (loads with any strategy; see docs/lightning.md)
+"""
+
+_ESTIMATE_EXAMPLES = """\
+examples:
+  zero-strategy estimate --params 7.5e9 --world-size 1,4,16,64,256,1024
+      the paper's Table 1: Psi = 7.5B, fp16, Adam (K = 12)
+  zero-strategy estimate --params 7B --world-size 8 --precision bf16 --optimizer adamw
+      one 8-GPU machine, with the cpu and nvme offload rows
+  zero-strategy estimate --params 2B --world-size 2 --precision bf16 \\
+      --memory-per-rank 11GiB --disk-per-rank 40GiB
+      which configurations fit, and the largest model each one fits
+
+Sizes are GiB (2^30 bytes); the paper's GB are 10^9 bytes (1 GiB = 1.0737 GB).
+"""
+
+_CONSOLIDATE_EXAMPLES = """\
+examples:
+  zero-strategy consolidate ckpt/step-1000 out/
+  zero-strategy consolidate ckpt/step-1000 out/ --dtype bf16 --max-shard-size 5e9
+"""
+
 # -- dispatch ------------------------------------------------------------------------
 
-# name -> (help text, add-arguments function, run function returning an exit code)
-SUBCOMMANDS: dict[str, tuple[str, Callable, Callable]] = {
-    "estimate": ("model-state memory per rank for ZeRO stages 0-3",
-                 _add_estimate_args, _run_estimate),
+# name -> (help text, add-arguments function, run function returning an exit code, epilog)
+SUBCOMMANDS: dict[str, tuple[str, Callable, Callable, str]] = {
+    "estimate": ("model-state memory per rank for ZeRO stages 0-3, with and without offload",
+                 _add_estimate_args, _run_estimate, _ESTIMATE_EXAMPLES + "\n" + _CHECKPOINT_COMMANDS),
     "consolidate": ("write ordinary safetensors weights from a sharded checkpoint directory",
-                    lambda p: _add_consolidate_args(p), lambda a: _run_consolidate(a)),
+                    lambda p: _add_consolidate_args(p), lambda a: _run_consolidate(a),
+                    _CONSOLIDATE_EXAMPLES + "\n" + _CHECKPOINT_COMMANDS),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zero-strategy", description=__doc__.splitlines()[0])
+    # RawDescriptionHelpFormatter keeps the examples' line breaks.
+    parser = argparse.ArgumentParser(prog="zero-strategy", description=__doc__.splitlines()[0],
+                                     epilog=_ESTIMATE_EXAMPLES + "\n" + _CHECKPOINT_COMMANDS,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, (help_text, add_args, run) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+    for name, (help_text, add_args, run, epilog) in SUBCOMMANDS.items():
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text, epilog=epilog,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(sub_parser)
         sub_parser.set_defaults(_run=run)
     return parser
@@ -291,10 +208,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args._run(args)
+        code = args._run(args)
+        sys.stdout.flush()  # so that a closed pipe shows here, not in the interpreter's last flush
+        return code
     except (ValueError, argparse.ArgumentTypeError) as exc:
         # Bad values (e.g. an unknown optimizer) are usage errors, not crashes.
         parser.error(str(exc))
+    except BrokenPipeError:
+        # `zero-strategy estimate ... | head`: the reader has what it wanted. Point stdout
+        # at /dev/null so that the interpreter's last flush does not fail once more, and
+        # exit as a process ended by SIGPIPE does in a shell (128 + 13).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

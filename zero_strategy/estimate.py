@@ -191,9 +191,68 @@ def paper_table(num_params=7.5e9, world_sizes=(1, 4, 16, 64, 256, 1024), precisi
     ]
 
 
+OFFLOAD_KINDS = ("cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class OffloadEstimate:
+    """Model-state bytes per rank with ``offload_optimizer`` "cpu" or "nvme", by where
+    they live: the columns of DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``
+    (per GPU, per CPU) plus the files of disk offload.  Stage 3's gathered blocks and
+    the reduce buckets are extra (the overheads of ``estimate``)."""
+
+    device: int
+    """On the training device: the 16-bit parameters the stage keeps (none of stage 3's
+    with offload_param), and the 16-bit gradients that are not sent to the host: stage
+    1's whole gradient in both cases, and the reduced slice with nvme (cpu sends it to
+    the host in fp32 as each bucket finishes)."""
+    host: int
+    """In host memory: with cpu, the fp32 master shard, its fp32 gradient and the
+    optimizer state; with nvme, at most ``inflight_bytes`` of master and optimizer state
+    during the step."""
+    disk: int
+    """In files under nvme_path: the fp32 master shard and the optimizer state, plus the
+    16-bit parameter shard with offload_param."""
+
+    @property
+    def memory(self) -> int:
+        """Device and host together: all of it when both are one memory (CPU training)."""
+        return self.device + self.host
+
+
+def offload_estimate(num_params, world_size, stage, precision: str = "fp16", optimizer: str = "adam", *,
+                     offload: str = "cpu", offload_param: bool = False,
+                     inflight_bytes: int = 256 * 2**20) -> OffloadEstimate:
+    """Device, host and disk bytes per rank with ``offload_optimizer`` = ``offload``
+    (stages 1-3; ``offload_param`` only with "nvme" at stage 3, as ZeroConfig allows)."""
+    psi = _count("num_params", num_params, 1)
+    n = _count("world_size", world_size, 1)
+    if offload not in OFFLOAD_KINDS:
+        raise ValueError(f"offload must be 'cpu' or 'nvme', got {offload!r}")
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"offload needs stage 1, 2 or 3, got {stage!r}")
+    if offload_param and (stage != 3 or offload != "nvme"):
+        raise ValueError("offload_param needs stage 3 (only stage 3 partitions parameters) and nvme offload")
+    p = g = bytes_per_element(precision)
+    k = optimizer_bytes_per_param(optimizer, precision)
+    # Offload always keeps an fp32 master of the shard; in fp32 training K does not count it.
+    master_and_state = k if canonical_precision(precision) != "fp32" else k + 4
+    shard = -(-psi // n)
+    params = 0 if offload_param else p * (shard if stage == 3 else psi)
+    if offload == "cpu":
+        grads = g * psi if stage == 1 else 0  # stage 1's local gradient is whole until reduced
+        host = (master_and_state + 4) * shard  # + the fp32 gradient slice the host step reads
+        return OffloadEstimate(device=params + grads, host=host, disk=0)
+    grads = g * (psi if stage == 1 else shard)
+    host = min(_count("inflight_bytes", inflight_bytes, 1), master_and_state * shard)
+    disk = master_and_state * shard + (p * shard if offload_param else 0)
+    return OffloadEstimate(device=params + grads, host=host, disk=disk)
+
+
 @dataclass(frozen=True)
 class DiskOffloadEstimate:
-    """Model-state bytes per rank with ``offload_optimizer: nvme`` (ZeRO-Infinity)."""
+    """Model-state bytes per rank with ``offload_optimizer: nvme`` (ZeRO-Infinity), for a
+    machine whose device and host are one memory (see ``offload_estimate`` for both)."""
 
     ram: int
     """In memory from backward to step: the 16-bit parameters this rank keeps (none of
@@ -209,22 +268,9 @@ class DiskOffloadEstimate:
 def disk_offload_estimate(num_params, world_size, stage, precision: str = "fp16", optimizer: str = "adam", *,
                           offload_param: bool = False, inflight_bytes: int = 256 * 2**20) -> DiskOffloadEstimate:
     """RAM and disk per rank for disk offload at ``stage`` (1-3; offload_param only at 3)."""
-    psi = _count("num_params", num_params, 1)
-    n = _count("world_size", world_size, 1)
-    if isinstance(stage, bool) or stage not in (1, 2, 3):
-        raise ValueError(f"disk offload needs stage 1, 2 or 3, got {stage!r}")
-    if offload_param and stage != 3:
-        raise ValueError("offload_param needs stage 3 (only stage 3 partitions parameters)")
-    p = g = bytes_per_element(precision)
-    k = optimizer_bytes_per_param(optimizer, precision)
-    # The files hold an fp32 master in every precision; in fp32 K does not count it.
-    k_disk = k if canonical_precision(precision) != "fp32" else k + 4
-    shard = -(-psi // n)
-    params = 0 if offload_param else p * (shard if stage == 3 else psi)
-    grads = g * (psi if stage == 1 else shard)
-    step_state = min(_count("inflight_bytes", inflight_bytes, 1), k_disk * shard)
-    disk = k_disk * shard + (p * shard if offload_param else 0)
-    return DiskOffloadEstimate(ram=params + grads + step_state, disk=disk)
+    r = offload_estimate(num_params, world_size, stage, precision, optimizer, offload="nvme",
+                         offload_param=offload_param, inflight_bytes=inflight_bytes)
+    return DiskOffloadEstimate(ram=r.memory, disk=r.disk)
 
 
 def largest_fitting(bytes_for, budget: int, upper: int = 10**15) -> int:
