@@ -13,7 +13,8 @@ modulo the vocabulary, so the loss falls quickly.  It uses what an Accelerate lo
 usually does: prepare, accumulate, backward, clip_grad_norm_, optimizer/scheduler
 step, save_state / load_state, get_state_dict, save_model and unwrap_model.  With
 ``--out`` the main process writes what happened (per-step losses, gradient norms,
-skipped steps) as JSON, which the tests compare between launches.
+skipped steps) as JSON, which the tests compare between launches; it prints each step's
+loss, gradient norm and learning rate as it goes.
 """
 from __future__ import annotations
 
@@ -118,6 +119,10 @@ def main():
             state = accelerator.get_state_dict(model)
             if accelerator.is_main_process:
                 results["checksums"].append(sum(float(t.double().abs().sum()) for t in state.values()))
+        # For whoever watches the run (the main process only); --out records the same numbers.
+        accelerator.print(f"step {step + 1}/{args.steps}  loss {running:.4f}  grad norm {float(norm):.4f}  "
+                          f"lr {results['lrs'][-1]:.2e}"
+                          + ("  skipped (fp16 overflow)" if results["skipped"][-1] else ""), flush=True)
         running = 0.0
         step += 1
         if step == args.save_state_at:
