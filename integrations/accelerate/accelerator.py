@@ -124,7 +124,13 @@ class ZeroAccelerator(Accelerator):
         self._zero_overrides = weakref.WeakKeyDictionary()  # model -> ZeroConfig fields set by set_zero_config
         self._zero_pending: List[torch.nn.Module] = []  # training models still without their optimizer
         self._zero_guards = {}
-        self._zero_wrappers = {}  # id(model) -> the DDP wrapper prepare returned for it without an optimizer
+        # id(model) -> the DDP wrapper prepare returned for it without an optimizer, held
+        # weakly: the wrapper's Reducer must die when the script drops it, as under stock
+        # Accelerate.  Kept alive here, it was freed only with this Accelerator, after
+        # end_training() had destroyed the process group: its gloo group's destructor then
+        # joined worker threads that wait for the interpreter lock the freeing thread holds
+        # (accelerate's test_metrics.py hung at exit that way).
+        self._zero_wrappers = weakref.WeakValueDictionary()
         self._zero_trace = _CommTrace.from_environment(self.process_index)
         self._zero_warned = set()
         _patch_trainer_if_imported()
