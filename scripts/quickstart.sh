@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+echo "example: fine-tuning a tiny GPT-2 with ZeRO-3 on 2 CPU processes (~30 s)"
 .venv/bin/torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py "$@"
