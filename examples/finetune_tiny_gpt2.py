@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py
     torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py --stage 2 --precision bf16 --accum 2 --clip 1.0
     torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py --save /tmp/tiny-gpt2
+    torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py --min-gather-numel 0   # one gather per block
     python examples/finetune_tiny_gpt2.py            # one process, no process group
 
 The model is built from a ``GPT2Config`` (nothing is downloaded).  Every sequence is
@@ -10,7 +11,9 @@ an arithmetic progression modulo the vocabulary (start a, stride d): after two t
 the rest is determined, so the loss falls quickly from ln(vocab) ~ 6.2.
 
 The training loop is the ordinary PyTorch one; ZeRO adds three lines:
-``zero_strategy.initialize``, ``engine.backward(loss)`` and ``engine.step()``.
+``zero_strategy.initialize``, ``engine.backward(loss)`` and ``engine.step()``.  At the end
+it prints this rank's memory next to the paper's formula (GiB) and the last step's
+communication next to the paper's 2Ψ / 3Ψ, with why they differ here.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import argparse
 import contextlib
 import gc
 import os
+import textwrap
 import time
 
 import torch
@@ -27,10 +31,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 import zero_strategy
+from zero_strategy.units import gib_number
 
 VOCAB = 512
 SEQ_LEN = 32
-MB = 1024 * 1024
 
 
 def parse_args():
@@ -44,6 +48,10 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=5e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=None, help="warmup steps (default: steps // 10)")
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--min-gather-numel", type=int, default=None, metavar="N",
+                        help="stage 3: gather sibling blocks together until one gather holds N elements "
+                             "(default: ZeroConfig's 1,000,000, which gathers this small model as one "
+                             "piece; 0 = one gather per GPT2Block)")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="save the consolidated model with save_pretrained and reload it")
     parser.add_argument("--seed", type=int, default=0)
@@ -82,10 +90,6 @@ def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
         dist.all_reduce(value)
         value /= world_size
     return value.item()
-
-
-def fmt_mb(num_bytes: int) -> str:
-    return f"{num_bytes / MB:8.3f} MB"
 
 
 def main() -> None:
@@ -127,6 +131,8 @@ def main() -> None:
         # the threshold to shard them at stage 3 (biases and LayerNorms stay whole).
         "param_persistence_threshold": 1024,
     }
+    if args.min_gather_numel is not None:
+        zero_config["min_gather_numel"] = args.min_gather_numel
     engine = zero_strategy.initialize(model, optimizer, zero_config)
     if is_main:
         print(f"GPT-2: {num_params:,} parameters, world size {world_size}, device {device}, "
@@ -191,7 +197,7 @@ def main() -> None:
               f"{elapsed:.1f} s ({elapsed / args.steps * 1000:.0f} ms/step)"
               + (f", {skipped} step(s) skipped on fp16 overflow" if skipped else ""))
         report_memory(memory, engine, num_params, world_size, args)
-        report_comm(comm, num_params, args)
+        report_comm(comm, num_params, engine.unit_summary(), engine.config.min_gather_numel, args)
 
     # -- consolidated weights -> plain transformers ------------------------------------
     if args.save:
@@ -223,51 +229,79 @@ def main() -> None:
 
 def report_memory(got, engine, num_params: int, world_size: int, args) -> None:
     """What this rank held before the last step, next to the paper's formula for the same Ψ."""
-    est = zero_strategy.estimate(num_params, world_size, args.stage, args.precision, "adamw",
-                                 num_units=len(engine.units))
+    est = zero_strategy.estimate(num_params, world_size, args.stage, args.precision, "adamw")
     # The paper's K (optimizer bytes per parameter) includes the fp32 master copy in
     # mixed precision; memory_report lists the master separately.
     optimizer_total = got["master_weights"] + got["optimizer_state"]
     rows = [
-        ("parameters", fmt_mb(got["parameters"]), fmt_mb(est.parameters)),
-        ("gradients", fmt_mb(got["gradients"]), fmt_mb(est.gradients)),
-        ("optimizer states", fmt_mb(optimizer_total), fmt_mb(est.optimizer_states)),
-        ("  of which master_weights", fmt_mb(got["master_weights"]), ""),
-        ("  of which optimizer_state", fmt_mb(got["optimizer_state"]), ""),
-        ("communication_buffers", fmt_mb(got["communication_buffers"]), ""),
-        ("total", fmt_mb(got["total"]), fmt_mb(est.total)),
+        ("parameters", gib_number(got["parameters"]), gib_number(est.parameters)),
+        ("gradients", gib_number(got["gradients"]), gib_number(est.gradients)),
+        ("optimizer states", gib_number(optimizer_total), gib_number(est.optimizer_states)),
+        ("  of which master_weights", gib_number(got["master_weights"]), ""),
+        ("  of which optimizer_state", gib_number(got["optimizer_state"]), ""),
+        ("communication_buffers", gib_number(got["communication_buffers"]), ""),
+        ("total", gib_number(got["total"]), gib_number(est.total)),
     ]
-    print(f"\nmemory on rank 0 (Ψ = {num_params:,}, N = {world_size}, stage {args.stage}, "
-          f"{args.precision}, AdamW)")
-    print(f"  {'category':28s} {'memory_report':>13s}  {'estimate':>13s}")
+    print(f"\nmemory on rank 0 between the last backward and its step, GiB (Ψ = {num_params:,}, "
+          f"N = {world_size}, stage {args.stage}, {args.precision}, AdamW)")
+    print(f"  {'category':28s} {'memory_report':>13s}  {'paper formula':>13s}")
     for name, measured, formula in rows:
-        print(f"  {name:28s} {measured:>13s}  {formula:>13s}")
-    if est.overheads.get("padding"):
-        print(f"  (estimate's padding overhead for {len(engine.units)} flat unit(s): "
-              f"{est.overheads['padding']:,} B)")
+        print(f"  {name:28s} {measured:>13s}  {formula:>13s}".rstrip())
+    whole = sum(u["numel"] for u in engine.unit_summary()["units"] if u["whole"])
+    if args.stage == 3 and whole and world_size > 1:
+        say(f"memory_report's parameters are above the formula: the {whole:,} elements below "
+            "param_persistence_threshold stay whole on every rank, where the formula divides them by N.")
 
 
-def report_comm(comm, num_params: int, args) -> None:
+def report_comm(comm, num_params: int, summary: dict, min_gather_numel: int, args) -> None:
     """The last optimizer step's traffic, counted as the paper does (all-reduce = 2x)."""
-    paper = 3 if args.stage == 3 else 2
-    print("\ncommunication in one optimizer step (elements per rank, paper accounting):")
+    print("\ncommunication in one optimizer step (elements per rank, counted as the paper does):")
     for kind, tally in sorted(comm.kinds.items()):
         print(f"  {kind:16s} {tally.calls:4d} calls  {tally.elements:>12,} elements")
     volume = comm.paper_volume
-    print(f"  paper_volume     {volume:,} = {volume / num_params:.2f} Ψ   "
-          f"(paper: {paper}Ψ = {paper * num_params:,} per step)")
+    print(f"  paper_volume     {volume:,} = {volume / num_params:.2f} Ψ, where Ψ = {num_params:,} "
+          "(the parameter count)")
+    if args.stage < 3:
+        say(f"The paper's stages 0-2 move 2Ψ = {2 * num_params:,}: gradients reduced (an all-reduce counts "
+            "2x), parameters all-gathered.")
     if args.accum > 1 and args.stage == 2:
-        print(f"  stage 2 reduce-scatters every micro-batch: with --accum {args.accum} expect "
-              f"{args.accum + 1}Ψ ({args.accum} reduce-scatters + 1 all-gather)")
+        say(f"Stage 2 reduce-scatters every micro-batch: with --accum {args.accum} expect "
+            f"{args.accum + 1}Ψ ({args.accum} reduce-scatters + 1 all-gather).")
     elif args.accum > 1 and args.stage == 3:
-        print(f"  stage 3 gathers and reduce-scatters every micro-batch: with --accum {args.accum} "
-              f"expect about {3 * args.accum}Ψ")
+        say(f"Stage 3 gathers and reduce-scatters every micro-batch: with --accum {args.accum} "
+            f"expect about {3 * args.accum}Ψ.")
     elif args.accum > 1:
-        print(f"  stages 0/1 communicate only on the last of the {args.accum} micro-batches (no_sync)")
-    if args.stage == 3:
-        print("  parameters below param_persistence_threshold stay whole and move 2x, not 3x")
+        say(f"Stages 0/1 communicate only on the last of the {args.accum} micro-batches (no_sync).")
+    elif args.stage == 3:
+        explain_stage3_volume(summary, num_params, min_gather_numel)
     if args.stage >= 1 and comm["all_gather"].elements > 0:
-        print("  flat units are padded to a multiple of N, so counts can be slightly above Ψ")
+        say("Flat units are padded to a multiple of N, so the counts can be slightly above these.")
+
+
+def explain_stage3_volume(summary: dict, num_params: int, min_gather_numel: int) -> None:
+    """Why stage 3 moved what it moved: the paper's 3Ψ, less what this run never gathers twice."""
+    partitioned = sum(u["numel"] for u in summary["units"] if not u["whole"])
+    whole = num_params - partitioned
+    root = sum(g["numel"] for g in summary["groups"] if g["module"] == "<root>")
+    say(f"The paper's stage 3 moves 3Ψ = {3 * num_params:,}: every parameter is all-gathered for forward, "
+        "again for backward, and its gradient is reduce-scattered.")
+    if len(summary["groups"]) == 1:
+        say(f"Here less: this model's {partitioned:,} partitioned elements are fewer than min_gather_numel "
+            f"({min_gather_numel:,}), so they are gathered as one piece, and the piece forward releases last "
+            "stays gathered into backward: nothing is gathered twice. --min-gather-numel 0 gathers each "
+            "GPT2Block on its own and brings the volume near 3Ψ.")
+    else:
+        say(f"Here less: the root module's {root:,} elements (embeddings, head) are released last in forward, "
+            "so they stay gathered into backward and move 2x, not 3x.")
+    if whole:
+        say(f"The {whole:,} elements below param_persistence_threshold stay whole on every rank and move 2x "
+            "(reduce-scatter and all-gather, as in stage 2).")
+    expected = 3 * partitioned - root + 2 * whole
+    say(f"Expected: 3 x {partitioned:,} - {root:,} + 2 x {whole:,} = {expected:,} = {expected / num_params:.2f} Ψ")
+
+
+def say(text: str) -> None:
+    print(textwrap.fill(text, width=100, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
 
 
 if __name__ == "__main__":
