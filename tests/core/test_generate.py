@@ -28,10 +28,29 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(cfg).eval()
 
 
-def greedy(model, prompts, synced_gpus=False):
+def greedy(model, prompts, synced_gpus=False, new_tokens=NEW_TOKENS):
+    kwargs = {} if synced_gpus is None else {"synced_gpus": synced_gpus}  # None: generate() decides
     with torch.no_grad():
-        return model.generate(prompts, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=0, synced_gpus=synced_gpus)
+        return model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0, **kwargs)
+
+
+def counting_all_reduces(fn):
+    """``fn()`` and how many torch.distributed.all_reduce calls it made (generate()'s
+    lockstep, synced_gpus, is one per new token)."""
+    import torch.distributed as dist
+
+    calls, original = [0], dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        return fn(), calls[0]
+    finally:
+        dist.all_reduce = original
 
 
 def prompts():
@@ -204,6 +223,7 @@ def test_over_the_budget_generate_gathers_layer_by_layer_with_one_warning():
 # -- two gloo processes, one launch ----------------------------------------------------------------
 def _worker(rank, ws):
     ref = tiny_llama()
+    ref_at_start = tiny_llama()
     ids = prompts()
     expected = [greedy(ref, ids)]
     for step in range(2):
@@ -219,6 +239,17 @@ def _worker(rank, ws):
         got = {}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            if name != "off":
+                # The ranks decode different lengths, synced_gpus left to generate(), which turns
+                # the lockstep on for a model marked as FSDP-managed (the Accelerate integration's
+                # mark for stage 3): held, each rank may stop on its own with no per-token
+                # all-reduce; gathered layer by layer, the lockstep is needed, and is on even
+                # without the mark (a rank that stopped early would strand the other's gathers).
+                model._is_fsdp_managed_module = name == "kept"
+                mine = 2 if rank == 0 else NEW_TOKENS
+                tokens, got["lockstep_all_reduces"] = counting_all_reduces(
+                    lambda: greedy(model, ids, synced_gpus=None, new_tokens=mine))
+                got["uneven_lengths"] = torch.equal(tokens, greedy(ref_at_start, ids, new_tokens=mine))
             engine.reset_comm_report()
             # synced_gpus, as transformers sets it for a stage-3 model under Accelerate
             got["before"] = torch.equal(greedy(model, ids, synced_gpus=True), expected[0])
@@ -259,3 +290,6 @@ def test_stage3_generate_matches_the_single_process_model_and_training_after_it_
         assert r["over_budget"]["gathers"] == units * NEW_TOKENS and not r["over_budget"]["held"]
         assert r["over_budget"]["warnings"] == (1 if rank == 0 else 0)
         assert r["kept"]["warnings"] == r["off"]["warnings"] == 0
+        assert r["kept"]["uneven_lengths"] and r["over_budget"]["uneven_lengths"]
+        assert r["kept"]["lockstep_all_reduces"] == 0  # was one per new token under Accelerate's mark
+        assert r["over_budget"]["lockstep_all_reduces"] >= NEW_TOKENS  # every rank steps until the longest is done

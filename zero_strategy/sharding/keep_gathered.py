@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import warnings
 import weakref
 from typing import Callable, Iterator, List, Tuple
@@ -118,8 +119,17 @@ class _InRegion:
         engine = self._engine()
         if engine is None:
             return self.original(*args, **kwargs)
-        with engine.keep_gathered():
+        with engine.keep_gathered() as holding:
+            if self._takes_synced_gpus and "synced_gpus" not in kwargs and engine.comm.world_size > 1:
+                kwargs["synced_gpus"] = not holding  # [Note: synced_gpus]
             return self.original(*args, **kwargs)
+
+    @functools.cached_property
+    def _takes_synced_gpus(self) -> bool:
+        try:
+            return "synced_gpus" in inspect.signature(self.original).parameters
+        except (TypeError, ValueError):
+            return False
 
     # Like a bound method's, for code that rebinds one (peft.helpers.update_generate_signature).
     @property
@@ -134,6 +144,20 @@ class _InRegion:
         # A deep copy of the model is not this engine's: it gets the method itself,
         # bound to the copy (copy.deepcopy rebinds a bound method to the copied object).
         return copy.deepcopy(self.original, memo)
+
+
+# [Note: synced_gpus]
+# A decoding loop that takes ``synced_gpus`` (transformers' generate()) keeps every rank
+# running forwards until all ranks are done only when asked to, at the price of one
+# all-reduce per new token.  Stage 3 needs that lockstep while each forward gathers
+# layer by layer (a rank that stopped early would leave the others waiting in an
+# all-gather); inside a region that holds the model (and below stage 3) the forwards
+# communicate nothing, so each rank may stop when its own sequences end.  So the
+# wrapper passes ``synced_gpus = not holding`` on more than one rank, unless the caller
+# gave it.  (transformers turns the lockstep on for a model marked as FSDP-managed, as
+# the Accelerate integration marks stage-3 models: that per-token all-reduce was most
+# of a held generate()'s time; and without the mark, under Lightning or a plain loop,
+# a generate() too large to hold ran without the lockstep it needs.)
 
 
 def methods_to_wrap(model, names) -> List[Tuple[object, str, object]]:
