@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .accounting import optimizer_state_bytes
+from .units import gib
 
 
 def memory_report(sharded) -> Dict[str, int]:
@@ -78,7 +79,7 @@ def unit_summary(sharded) -> dict:
 def describe(sharded) -> str:
     """One line for a start-up log: stage, world size, units, model-state bytes per rank."""
     s = unit_summary(sharded)
-    mb = memory_report(sharded)["total"] / 2**20
+    held = gib(memory_report(sharded)["total"])
     members = sum(len(g["modules"]) for g in s["groups"])
     merged = f", {members} modules merged into {len(s['groups'])} gathers" if members > len(s["groups"]) else ""
     what = (f", unit modules {', '.join(s['unit_modules']) or '(root only)'} ({len(s['groups'])} gather groups{merged})"
@@ -87,7 +88,7 @@ def describe(sharded) -> str:
     precision = (f"{cfg.precision} autocast over fp32 parameters" if pp.autocast_dtype is not None
                  else f"{cfg.precision} with fp32 master weights" if pp.mixed else "fp32")
     return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s): {s['num_units']} flat units{what}; "
-            f"{precision}; model states {mb:.1f} MiB on this rank now")
+            f"{precision}; model states {held} on this rank now")
 
 
 class Reports:

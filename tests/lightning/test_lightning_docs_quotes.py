@@ -5,7 +5,8 @@ The quotes are read from the doc itself, so editing a figure there without a run
 prints it, or changing what the example prints without updating the doc, fails here:
 
 * the set-up line (the fenced block that starts with ``ZeRO stage``), exactly, from
-  ``.venv/bin/python examples/lightning/finetune_gpt2.py`` (zero3, 2 CPU processes);
+  ``.venv/bin/python examples/lightning/finetune_gpt2.py`` (zero3, 2 CPU processes),
+  and its GiB figure where the prose below it names it;
 * the losses ``train_loss`` / ``val_loss`` after 40 steps, to the digits the doc prints,
   from that run and from the same command with ``ddp`` (the doc says they are ddp's);
 * the parameter memory each rank holds and the whole model's size from that run, and
@@ -74,6 +75,10 @@ def test_the_doc_quotes_what_this_test_checks():
     """The quotes exist where the slow tests look for them (runs no process)."""
     doc = _doc()
     assert len(_setup_lines(doc)) == 1
+    # the prose under the quoted set-up line names its model-state figure (GiB)
+    held_now = re.search(r"model states ([\d.]+) GiB on this rank now", _setup_lines(doc)[0])
+    assert held_now, _setup_lines(doc)[0]
+    assert _one(r"before gradients and the Adam moments exist, so the ([\d.]+) GiB", doc) == (held_now.group(1),)
     _quoted_losses(doc)
     held_cli, held_name = _one(r"([\d.]+) MiB with threshold 0 against ([\d.]+) MiB with the name alone", doc)
     held, _ = _one(r"prints `parameters: ([\d.]+)` MiB of the whole model's ([\d.]+) MiB", doc)
