@@ -1,7 +1,8 @@
 """generate() throughput: DDP, zero_strategy stage 2, stage 3, and stage 3 kept gathered.
 
 Every system greedily generates the same number of new tokens from the same prompts with
-the same tiny Llama (transformers ``LlamaConfig``, built locally from a seed), one after
+the same tiny Llama or GPT-2 (transformers ``LlamaConfig`` / ``GPT2Config``, ``--model``,
+built locally from a seed), one after
 the other inside the SAME spawned gloo worker processes; the systems run in a different
 order on each repeat (odd repeats reversed), so load from other processes is spread over
 all of them.  Per system: tokens/s (new tokens of the whole batch divided by the slowest
@@ -14,14 +15,22 @@ exactly the single-process model's.
 
     .venv/bin/python benchmarks/bench_generate.py                 # 2 ranks, 64 new tokens, 5 repeats
     .venv/bin/python benchmarks/bench_generate.py --repeats 9 --layers 8 --json out.json
+    .venv/bin/python benchmarks/bench_generate.py --model gpt2 --layers 4 --hidden 256 --vocab 5000 \
+        --new-tokens 20 --systems ddp,zero3_default,zero3_default_lockstep
 
 Systems: ``ddp`` (``DistributedDataParallel``; generate() runs on ``.module``),
 ``zero2`` (stage 2), ``zero3`` (stage 3, ``param_persistence_threshold=0`` so every
 parameter is partitioned, ``keep_gathered_methods=[]``: every forward gathers layer by
 layer), ``zero3_keep`` (the same with the default ``keep_gathered_methods=["generate"]``:
-the model is gathered once per generate() call).  Each engine is built with an AdamW
-optimizer, as in training.  Stage 3 runs pass ``synced_gpus=True``, as transformers does
-for a model the Accelerate integration prepared at stage 3.
+the model is gathered once per generate() call), ``zero3_default`` (stage 3 with every
+default, ``param_persistence_threshold`` included) and ``zero3_default_lockstep`` (the
+same with ``synced_gpus=True`` passed by the caller: one all-reduce per new token, what
+every stage-3 generate() under Accelerate paid before the engine chose ``synced_gpus``
+itself).  Each engine is built with an AdamW optimizer, as in training.  Stage-3 models
+carry the mark the Accelerate integration sets (``_is_fsdp_managed_module``), and
+``synced_gpus`` is left to generate() and the engine's wrapper, except for ``zero3``
+(no wrapper: the caller must keep the ranks in lockstep, so it passes True) and
+``zero3_default_lockstep``.  Ratios are given against stage 2 and against DDP.
 """
 from __future__ import annotations
 
@@ -38,18 +47,26 @@ import warnings
 import torch
 import torch.distributed as dist
 
-SYSTEMS = ("ddp", "zero2", "zero3", "zero3_keep")
+SYSTEMS = ("ddp", "zero2", "zero3", "zero3_keep", "zero3_default", "zero3_default_lockstep")
 ZERO_CONFIGS = {
     "zero2": {"stage": 2},
     "zero3": {"stage": 3, "param_persistence_threshold": 0, "keep_gathered_methods": []},
     "zero3_keep": {"stage": 3, "param_persistence_threshold": 0},
+    "zero3_default": {"stage": 3},
+    "zero3_default_lockstep": {"stage": 3},
 }
+# What each system passes as synced_gpus (None: generate() and the engine's wrapper decide).
+CALLER_SYNCED_GPUS = {"ddp": False, "zero3": True, "zero3_default_lockstep": True}
 
 
 def build_model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)
+    if args.model == "gpt2":
+        config = GPT2Config(vocab_size=args.vocab, n_positions=args.prompt_len + args.new_tokens + 8, n_embd=args.hidden,
+                            n_layer=args.layers, n_head=args.heads, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(config).eval()
     config = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -65,8 +82,9 @@ def prompts(args):
 
 def generate(model, ids, args, new_tokens, synced_gpus):
     # min_new_tokens: an end-of-sequence token must not end one system's run early.
+    kwargs = {} if synced_gpus is None else {"synced_gpus": synced_gpus}
     return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=0, synced_gpus=synced_gpus)
+                          pad_token_id=0, **kwargs)
 
 
 def run_system(name, args, reference_state, ids, expected):
@@ -82,7 +100,9 @@ def run_system(name, args, reference_state, ids, expected):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         engine = zero_strategy.initialize(model, optimizer, {**args.zero_config, **ZERO_CONFIGS[name]})
         target = model
-    synced = engine is not None and engine.policies.stage.shards_parameters
+        if engine.policies.stage.shards_parameters:
+            model._is_fsdp_managed_module = True  # as the Accelerate integration marks a stage-3 model
+    synced = CALLER_SYNCED_GPUS.get(name)
     seconds, same = [], True
     with torch.no_grad():
         generate(target, ids, args, 2, synced)  # warm-up, not timed
@@ -157,13 +177,14 @@ def summarize(args, per_rank):
             "all_gather_bytes_per_generate": max(x["all_gather_bytes"] for ranks in runs for x in ranks),
             "same_tokens": all(x["same_tokens"] for ranks in runs for x in ranks),
         })
-    zero2 = next((r for r in rows if r["system"] == "zero2"), None)
-    for r in rows:
-        r["median_vs_zero2"] = r["median"] / zero2["median"] if zero2 else None
-        # Repeat k of every system ran back to back: the ratio within a repeat cancels
-        # most of the load that changes between repeats.
-        r["paired_vs_zero2"] = (statistics.median(a / b for a, b in zip(r["tokens_per_s"], zero2["tokens_per_s"]))
-                                if zero2 else None)
+    for base in ("zero2", "ddp"):
+        ref = next((r for r in rows if r["system"] == base), None)
+        for r in rows:
+            r[f"median_vs_{base}"] = r["median"] / ref["median"] if ref else None
+            # Repeat k of every system ran back to back: the ratio within a repeat cancels
+            # most of the load that changes between repeats.
+            r[f"paired_vs_{base}"] = (statistics.median(a / b for a, b in zip(r["tokens_per_s"], ref["tokens_per_s"]))
+                                      if ref else None)
     return {
         "config": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "threads_per_rank": per_rank[0]["threads"],
@@ -175,18 +196,22 @@ def summarize(args, per_rank):
 def render(summary) -> str:
     c = summary["config"]
     lines = [
-        f"generate(): Llama {c['layers']} layers x {c['hidden']} (vocab {c['vocab']}), batch {c['batch']}, "
+        f"generate(): {'GPT-2' if c['model'] == 'gpt2' else 'Llama'} {c['layers']} layers x {c['hidden']} "
+        f"(vocab {c['vocab']}), batch {c['batch']}, "
         f"prompt {c['prompt_len']}, {c['new_tokens']} new tokens greedy, {c['world_size']} gloo ranks x "
         f"{summary['threads_per_rank']} thread(s), {c['repeats']} repeats of the best of {c['calls']} calls, fp32"
         + (f", zero config {json.dumps(c['zero_config'])}" if c["zero_config"] else ""),
         "",
-        "| system | tokens/s min | median | max | median / zero2 | paired / zero2 | all-gathers per generate | MiB gathered per generate | tokens = single process |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| system | tokens/s min | median | max | median / zero2 | paired / zero2 | paired / ddp | all-gathers per generate | MiB gathered per generate | tokens = single process |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+
+    def ratio(r, key):
+        return f"{r[key]:.2f}" if r.get(key) is not None else "n/a"
+
     for r in summary["rows"]:
-        ratio = f"{r['median_vs_zero2']:.2f}" if r["median_vs_zero2"] is not None else "n/a"
-        paired = f"{r['paired_vs_zero2']:.2f}" if r["paired_vs_zero2"] is not None else "n/a"
-        lines.append(f"| {r['system']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} | {ratio} | {paired} | "
+        lines.append(f"| {r['system']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} | {ratio(r, 'median_vs_zero2')} | "
+                     f"{ratio(r, 'paired_vs_zero2')} | {ratio(r, 'paired_vs_ddp')} | "
                      f"{r['all_gathers_per_generate']} | {r['all_gather_bytes_per_generate'] / 2**20:.1f} | "
                      f"{'yes' if r['same_tokens'] else 'NO'} |")
     lines.append("")
@@ -197,7 +222,8 @@ def render(summary) -> str:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    p.add_argument("--model", choices=("llama", "gpt2"), default="llama")
+    p.add_argument("--systems", default=",".join(SYSTEMS[:4]), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--calls", type=int, default=3, help="timed generate() calls per repeat; the fastest counts")
     p.add_argument("--new-tokens", type=int, default=64)
