@@ -238,6 +238,23 @@ class ZeroConfig:
     """Launch gradient reductions during backward instead of after it, hiding
     communication behind computation at the cost of one more bucket of memory."""
 
+    no_sync_reduces: bool = True
+    """Stages 2-3: whether a backward inside no_sync() still reduce-scatters its gradients.
+    True: each micro-batch is reduced as it is produced and only this rank's slice is
+    kept (the paper's memory, as DeepSpeed does; no_sync() saves no communication there).
+    False: inside no_sync() the gradients stay whole and local in .grad, summed over the
+    micro-batches as under DDP and FSDP2, and the first backward outside no_sync()
+    reduces their sum once: one reduce-scatter per step instead of one per micro-batch,
+    for whole gradients (Ψ elements in the compute dtype) held while accumulating.
+    Stages 0-1 always keep local gradients inside no_sync()."""
+
+    step_clears_gradients: bool = True
+    """Whether step() ends by clearing the gradients (True, as DeepSpeed's engine.step()
+    does) or leaves them, readable through .grad, until zero_grad() (False, as torch's
+    optimizers and DDP do; a backward before zero_grad() then adds to them). The
+    Lightning and Accelerate integrations default to False: those frameworks call
+    zero_grad() themselves."""
+
     prefetch_bucket_size: int = 5_000_000
     """Stage 3: elements of parameters gathered ahead of the module that needs them
     (>= 0; 0 disables prefetch). The next module is always prefetched (when > 0), more
@@ -408,7 +425,8 @@ class ZeroConfig:
             put("activation_checkpointing", ())
         else:
             put("activation_checkpointing", _as_unit_modules(ac, "activation_checkpointing"))
-        for flag in ("autocast", "offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights"):
+        for flag in ("autocast", "offload_activations", "check_call_order", "check_finite_loss", "exact_frozen_weights",
+                     "no_sync_reduces", "step_clears_gradients"):
             if not isinstance(getattr(self, flag), bool):
                 raise _type_error(flag, getattr(self, flag), "true or false")
         if self.on_min_loss_scale not in _MIN_LOSS_SCALE_POLICIES:

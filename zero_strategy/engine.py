@@ -45,6 +45,7 @@ from .reliability.misuse import SkipWatch, engine_steps, guard_misuse, route_mod
 from .sharding.builder import build_sharded_model, materialization_device
 from .sharding.flat_unit import FlatUnit
 from .sharding.gathered_parameters import WholeParameters
+from .sharding.grad_reads import install_grad_reads, set_grad_reads, uninstall_grad_reads
 from .sharding.keep_gathered import KeepGathered, methods_to_wrap, wrap_methods
 from .sharding.reducer import GradientReducer
 from .reports import Reports
@@ -147,6 +148,12 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
         self._keep = KeepGathered(sm.gatherer, sm.units, max_bytes=config.keep_gathered_max_bytes,
                                   bucket_numel=pol.comm.allgather_bucket_size, rank=comm.rank)
         self._undo.extend(h.remove for h in register_hooks(self))
+        # .grad as DDP would show it ([Note: .grad under ZeRO] in sharding/grad_reads.py).
+        self._grad_reads = bool(sm.trainable_units)
+        if self._grad_reads:
+            install_grad_reads(sm.trainable_units, comm, self._grads)
+            set_grad_reads(sm.trainable_units, True)
+            self._undo.append(lambda units=sm.trainable_units: uninstall_grad_reads(units))
         register_engine(model, self)
         if config.activation_checkpointing:
             self._undo.extend(apply_activation_checkpointing(model, config.activation_checkpointing, config.offload_activations))
@@ -231,11 +238,20 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
             self._usage.read_rider()
         if self.gatherer is not None:
             self.gatherer.end_of_backward()
+        self._serve_grad_reads(True)
 
     _phase_before_backward = Phase.IDLE
+    _grad_reads_on = True
+
+    def _serve_grad_reads(self, on: bool) -> None:
+        """Between backward and forward ``.grad`` is served; plain during both."""
+        if self._grad_reads and on != self._grad_reads_on:
+            set_grad_reads(self.trainable_units, on)
+            self._grad_reads_on = on
 
     def _on_root_pre_forward(self, args, kwargs):
         self._check_open()
+        self._serve_grad_reads(False)
         if torch.is_grad_enabled() and self.module.training:
             self.comm.training_forwards += 1  # [Note: a skipped batch] in communication/diagnosis.py
         if self.gatherer is not None:
@@ -250,6 +266,8 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
     def _on_root_post_forward(self) -> None:
         if self.gatherer is not None:
             self.gatherer.end_of_forward()
+        if not torch.is_grad_enabled():
+            self._serve_grad_reads(True)  # no backward follows this forward
 
     # -- what adapters ask ----------------------------------------------------------------------
     @property
@@ -277,7 +295,8 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradient-accumulation micro-batches: stages 0/1 skip communication inside."""
+        """Gradient-accumulation micro-batches: stages 0/1 skip communication inside
+        (stages 2/3 too with ``no_sync_reduces=False``; by default they reduce as they go)."""
         previous = self._synced
         self._synced = False
         try:
@@ -296,6 +315,7 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
         if self.phase is Phase.GRADS_READY:
             return self._overflow
         check_grads_steppable(self.phase, what, synced=self._synced, stage=self.policies.stage,
+                              reduces_in_no_sync=self.policies.gradients.reduces_in_no_sync,
                               dry_run=self.sharded.compute_device().type == "meta")
         if self.reducer.busy:
             self.reducer.flush(self._synced)
@@ -376,7 +396,11 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
                 self._keep.refresh(units)  # inside keep_gathered(): no stale copy
         skipped = self._round_skipped
         if len(self._stepped) == len(self.optimizers):
-            self.zero_grad()  # ends the round
+            if self.policies.gradients.step_clears:
+                self.zero_grad()  # ends the round
+            else:
+                self._end_round()  # the gradients stay, readable, until zero_grad()
+                self._after_round()
         return not skipped
 
     _round_skipped = False
@@ -423,6 +447,9 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
             u.set_optimizer_grads(None)
         self._usage.clear()
         self._grads.begin()
+        self._after_round()
+
+    def _after_round(self) -> None:
         if self.gatherer is not None:
             self.gatherer.end_of_step()
         if self.phase is not Phase.CLOSED:

@@ -38,10 +38,12 @@ def check_open(phase: Phase) -> None:
         )
 
 
-def check_grads_steppable(phase: Phase, what: str, *, synced: bool, stage, dry_run: bool) -> None:
+def check_grads_steppable(phase: Phase, what: str, *, synced: bool, stage, reduces_in_no_sync: bool,
+                          dry_run: bool) -> None:
     """Raise for the transitions into GRADS_READY that are misuse (``stage``: the
-    StagePolicy; ``dry_run``: a planning run on the meta device, which steps once to
-    create optimizer state without a backward)."""
+    StagePolicy; ``reduces_in_no_sync``: whether a backward inside no_sync reduces;
+    ``dry_run``: a planning run on the meta device, which steps once to create optimizer
+    state without a backward)."""
     if phase is Phase.BACKWARD:
         raise RuntimeError(f"{what} was called while backward is still running through the model")
     if phase is Phase.IDLE and not dry_run:
@@ -55,7 +57,7 @@ def check_grads_steppable(phase: Phase, what: str, *, synced: bool, stage, dry_r
             f"{stage.stage} their gradients are local to each rank and were never reduced, so "
             "the update would differ per rank. Run the last micro-batch's backward outside no_sync()."
         )
-    if not synced and not stage.shards_gradients:
+    if not synced and not reduces_in_no_sync:
         raise RuntimeError(
             f"{what} was called inside no_sync(): at stage {stage.stage} gradients are reduced "
             "only by a backward outside no_sync(); call step() after leaving the no_sync() block."

@@ -48,6 +48,14 @@ class StagePolicy:
 
 
 @dataclass(frozen=True)
+class GradientPolicy:
+    """How long gradients live, and when a backward reduces them."""
+
+    reduces_in_no_sync: bool  # stages 2-3 with no_sync_reduces (stages 0-1 never do)
+    step_clears: bool  # step() ends with zero_grad(); else they stay readable until zero_grad()
+
+
+@dataclass(frozen=True)
 class PrecisionPolicy:
     storage: str  # "fp32" / "bf16" / "fp16": what parameters are stored in (the paper's formulas take it)
     compute_dtype: torch.dtype  # parameters in forward/backward (fp32 under autocast)
@@ -94,6 +102,7 @@ class Policies:
     precision: PrecisionPolicy
     offload: OffloadPolicy
     comm: CommPolicy
+    gradients: GradientPolicy
 
     def keeps_fp32_master(self, trainable: bool) -> bool:
         """A separate fp32 copy of the shard exists: for trainable units with mixed
@@ -132,4 +141,6 @@ class Policies:
             timeout=config.collective_timeout,
             check_call_order=config.check_call_order,
         )
-        return cls(stage, precision, offload, comm)
+        gradients = GradientPolicy(reduces_in_no_sync=stage.shards_gradients and config.no_sync_reduces,
+                                   step_clears=config.step_clears_gradients)
+        return cls(stage, precision, offload, comm, gradients)

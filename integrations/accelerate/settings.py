@@ -82,7 +82,9 @@ class ZeroSettings:
 
         check_mixed_precision(mixed_precision)
         precision = _PRECISION_FROM_ACCELERATE[str(mixed_precision or "no").lower()]
-        return ZeroConfig.from_dict({**self.engine, "precision": precision})
+        # Accelerate's loops (and the Trainer's) call zero_grad() themselves: gradients stay
+        # readable through .grad after step(), as under DDP, unless the section says otherwise.
+        return ZeroConfig.from_dict({"step_clears_gradients": False, **self.engine, "precision": precision})
 
 
 def check_mixed_precision(mixed_precision: Any) -> None:

@@ -58,6 +58,12 @@ def base_config(stage: Optional[int], config: Any, options: Mapping[str, Any]):
 
     cfg = ZeroConfig.coerce(config)
     changes = {k: v for k, v in options.items() if v is not None}
+    # Lightning's loops (and Fabric users) call zero_grad() themselves: gradients stay
+    # readable through .grad after step(), as under DDP, unless a ZeroConfig, a mapping or
+    # an option says otherwise.
+    given = isinstance(config, ZeroConfig) or (isinstance(config, Mapping) and "step_clears_gradients" in config)
+    if "step_clears_gradients" not in changes and not given:
+        changes["step_clears_gradients"] = False
     if stage is not None:
         changes["stage"] = stage
     merged = {**cfg.to_dict(), **changes}

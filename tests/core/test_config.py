@@ -25,6 +25,8 @@ EXPECTED_DEFAULTS = {
     "reduce_bucket_size": 5_000_000,
     "allgather_bucket_size": 25_000_000,
     "overlap_comm": True,
+    "no_sync_reduces": True,
+    "step_clears_gradients": True,
     "prefetch_bucket_size": 5_000_000,
     "param_persistence_threshold": 100_000,
     "unit_modules": ("auto",),

@@ -391,11 +391,11 @@ class Communicator:
                                            inp_is_scratch=scratch, inp_is_kept=kept, rider=rider), position, async_op)
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor, async_op: bool = True,
-                   label: str = "parameters"):
+                   label: str = "parameters", tally: str = "all_gather"):
         """Concatenate every rank's ``shard_in`` into ``full_out`` (in rank order); with
         ``shard_in`` this rank's own chunk of ``full_out`` it runs in place, on gloo too
         ([Note: headers beside in-place gathers] in collectives.py)."""
-        self._count("all_gather", full_out.numel(), full_out.element_size())
+        self._count(tally, full_out.numel(), full_out.element_size())
         if self.world_size == 1:
             if full_out.data_ptr() != shard_in.data_ptr():
                 full_out.copy_(shard_in)
@@ -404,19 +404,21 @@ class Communicator:
         return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident, rank=self.rank),
                            position, async_op)
 
-    def all_gather_kept(self, gathers: Sequence[Tuple[torch.Tensor, torch.Tensor, str]]) -> list:
+    def all_gather_kept(self, gathers: Sequence[Tuple[torch.Tensor, torch.Tensor, str]], tally: str = "all_gather") -> list:
         """Several all-gathers into buffers that are kept allocated, each ``(full_out,
         shard_in, label)`` with ``shard_in`` this rank's own chunk of ``full_out``; all
         issued now, one waitable each.  With headers the batch is announced by one
         header-only gather first, and the payloads carry none, so they need no staging
-        ([Note: announced gathers] in collectives.py)."""
+        ([Note: announced gathers] in collectives.py).  ``tally``: the comm_report kind
+        they count under (``grad_read`` for gradients gathered for ``.grad``: not part of
+        the paper's volume)."""
         if self.world_size == 1 or not self.headers or not gathers:
-            return [self.all_gather(out, inp, async_op=True, label=label) for out, inp, label in gathers]
+            return [self.all_gather(out, inp, async_op=True, label=label, tally=tally) for out, inp, label in gathers]
         entered = []
         for out, inp, label in gathers:
             if not C.is_own_row(out, inp, self.world_size, self.rank):
                 raise ValueError(f"all_gather_kept for {label}: the input must be this rank's own chunk of the output")
-            self._count("all_gather", out.numel(), out.element_size())
+            self._count(tally, out.numel(), out.element_size())
             entered.append(self._enter("all_gather", label, inp, inp.numel()))
         batch = C.Identity.of_batch([ident for _, ident in entered])
         first, last = gathers[0][2], gathers[-1][2]

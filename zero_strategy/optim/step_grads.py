@@ -28,12 +28,18 @@ class StepGradients:
     def clamp(self, value: float, k: Optional[int]) -> None:
         self._ops.append(("clamp", value, k))
 
+    def pending(self, unit, start: int):
+        """The operations from index ``start`` on that apply to ``unit``, and the index
+        after the last (for ``.grad`` reads: sharding/grad_reads.py)."""
+        return [(op, value) for op, value, k in self._ops[start:] if k is None or k == unit.optimizer_index], len(self._ops)
+
     def of(self, unit) -> torch.Tensor:
         """This unit's gradient as the optimizer will see it: this rank's reduced slice,
-        on the optimizer's device in fp32, with this step's operations applied."""
+        on the optimizer's device in fp32, with this step's operations applied (those an
+        edit through ``.grad`` has not already carried into the slice)."""
         g = unit.grads.reduced()
         target = unit.params_store.optimizer_target
-        ops = [(op, value) for op, value, k in self._ops if k is None or k == unit.optimizer_index]
+        ops, _ = self.pending(unit, unit.grads.ops_baked)
         if not ops and g.dtype == target.dtype and g.device == target.device:
             return g
         out = g.to(device=target.device, dtype=target.dtype, copy=True)

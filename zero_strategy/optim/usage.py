@@ -39,8 +39,14 @@ class UsageAgreement:
         self._used = None
 
     def used_of(self, unit) -> Optional[List[bool]]:
-        """Which of ``unit``'s parameters got a gradient on some rank (None: all did)."""
-        return None if self._used is None else self._used.get(unit.index)
+        """Which of ``unit``'s parameters got a gradient on some rank (None: all did),
+        less those whose ``.grad`` was set to None since ([Note: .grad under ZeRO] in
+        sharding/grad_reads.py: every rank sets it alike)."""
+        used = None if self._used is None else self._used.get(unit.index)
+        dropped = unit.grads.dropped
+        if not dropped:
+            return used
+        return [(used is None or used[i]) and i not in dropped for i in range(len(unit.params))]
 
     def _flags(self, overflow: float = 0.0) -> torch.Tensor:
         flags = [overflow]

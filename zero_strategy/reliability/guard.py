@@ -30,6 +30,7 @@ import sys
 import torch
 import torch.nn as nn
 
+from ..sharding.grad_reads import GRAD_ACCESS, grad_access
 from ..sharding.param_shard import ShardState
 
 
@@ -57,6 +58,8 @@ _METADATA = {
     torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.__hash__,
     torch.Tensor.untyped_storage, torch.Tensor.data_ptr, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
     torch.Tensor.get_device, torch.Tensor.__len__,
+    # New tensors shaped like the parameter (a gradient to assign, a buffer): no values read.
+    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like,
 } - {None}
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
 _SET_DATA = _setter("data")
@@ -106,6 +109,8 @@ class PartitionedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in GRAD_ACCESS:  # .grad: served like any trainable parameter's (grad_reads.py)
+            return grad_access(func, args, depth=2)
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             # Traced by torch.compile: the unit's pre-forward hook (run eagerly) has

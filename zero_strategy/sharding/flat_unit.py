@@ -87,7 +87,7 @@ class FlatUnit:
             self.grads = grad_storage_for(
                 policies.stage.grad_storage, self.params, self.layout, self.shard_index,
                 compute_dtype=precision.compute_dtype, reduce_dtype=precision.reduce_dtype, device=self.device,
-                slice_device=offload.grad_slice_device,
+                slice_device=offload.grad_slice_device, lifetime=policies.gradients,
             )
             target = self.params_store.optimizer_target
             for i, t_start, s_start, length in self.layout.tensor_slices_in_shard(self.shard_index):

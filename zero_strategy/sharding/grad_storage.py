@@ -16,10 +16,12 @@ class                     stage                       what persists until step()
 ========================  ==========================  ===============================
 
 Each exposes the same small protocol to the reducer (:meth:`accept`, ``complete``,
-:meth:`reduction_input`, :meth:`reduction_output`, :meth:`finish_reduction`) and to the
-step (:meth:`reduced`, :meth:`zero`), plus ``collective`` (which collective reduces it)
-and ``reduces_unsynced`` (whether it must reduce inside ``no_sync``), so neither the
-reducer nor the engine asks which stage is running.
+:meth:`reduction_input`, :meth:`reduction_output`, :meth:`finish_reduction`), to the
+step (:meth:`reduced`, :meth:`zero`) and to ``.grad`` reads and writes (:meth:`read`,
+:meth:`write`: [Note: .grad under ZeRO] in grad_reads.py), plus ``collective`` (which
+collective reduces it) and ``reduces_unsynced`` (whether it reduces inside ``no_sync``:
+stages 2-3 do unless ``no_sync_reduces`` is off), so neither the reducer nor the engine
+asks which stage is running.
 
 With optimizer offload the reduced slice goes to host memory in fp32 as each bucket
 finishes (:class:`OwnerSliceGrads` and :class:`ShardedGrads` take a ``slice_device``).
@@ -46,6 +48,17 @@ class _GradStorage:
     def __init__(self, params: Sequence[nn.Parameter], layout: FlatLayout, shard_index: int, *,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device) -> None:
         self.params = list(params)
+        # [Note: .grad under ZeRO]: the whole reduced gradient gathered for .grad, and its
+        # version when gathered (an edit through .grad moves it); positions whose .grad
+        # was set to None since the gradients were reduced (the step skips them).
+        self._served: Optional[torch.Tensor] = None
+        self._served_version = 0
+        self.dropped: set = set()
+        # How many of the step's gradient operations (optim/step_grads.py) the served buffer
+        # has had applied, and how many the reduced slice has (an edit made after clipping
+        # writes clipped values back: the step must not clip them again).
+        self._served_ops = 0
+        self.ops_baked = 0
         self.shapes = [tuple(p.shape) for p in self.params]
         self.layout = layout
         self.lo, self.hi = layout.shard_range(shard_index)
@@ -81,6 +94,91 @@ class _GradStorage:
 
     def end_of_backward(self) -> None:
         self.ready.clear()
+
+    # -- .grad reads and writes ([Note: .grad under ZeRO] in grad_reads.py) --------------------
+    @property
+    def holds_reduced(self) -> bool:
+        """A reduction happened since zero(): the gradient is this rank's reduced slice."""
+        return False
+
+    def read(self, pos: int, gather, pending) -> Optional[torch.Tensor]:
+        """What ``params[pos].grad`` shows: before any reduction, whatever autograd left in
+        ``.grad`` (local gradients); after, that parameter's whole reduced gradient, with
+        this step's gradient operations so far (fp16 unscale, clipping) applied, as
+        they would be to ``.grad`` without ZeRO.  ``gather(full_out, own)`` all-gathers a
+        unit into ``full_out``, whose chunk ``own`` holds this rank's slice
+        (collective); ``pending(start)`` gives the operations from index ``start`` on
+        that apply to this unit, and the index after the last."""
+        if not self.holds_reduced:
+            return _raw_grad(self.params[pos])
+        if pos in self.dropped:
+            return None
+        return self._view(self._serve(gather, pending), pos)
+
+    def write(self, pos: int, value: Optional[torch.Tensor], gather, pending) -> None:
+        """``params[pos].grad = value``: replaces that parameter's gradient for the step
+        (None: it gets none, and the step leaves it alone)."""
+        if not self.holds_reduced:
+            _set_raw_grad(self.params[pos], value)
+            return
+        view = self._view(self._serve(gather, pending), pos)
+        if value is None:
+            view.zero_()
+            self.dropped.add(pos)
+        else:
+            view.copy_(value)
+            self.dropped.discard(pos)
+
+    def _serve(self, gather, pending) -> torch.Tensor:
+        if self._served is None:
+            full = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            own = full[self.lo : self.hi]
+            own.copy_(self._current())
+            gather(full, own)
+            self._served, self._served_version, self._served_ops = full, full._version, self.ops_baked
+        ops, end = pending(self._served_ops)
+        if end != self._served_ops:
+            for op, value in ops:
+                if op == "mul":
+                    self._served.mul_(value)
+                else:
+                    self._served.clamp_(-value, value)
+            self._served_ops = end
+            self._served_version = self._served._version  # applied here, not an edit
+            if self._serves_in_place():
+                self.ops_baked = end  # the slice itself has them now
+        return self._served
+
+    def _serves_in_place(self) -> bool:
+        """The served buffer is the reduced slice's own storage (stage 1 without a slice)."""
+        return False
+
+    def _current(self) -> torch.Tensor:
+        """This rank's reduced slice as it stands (no edits folded in)."""
+        raise NotImplementedError
+
+    def _write_current(self, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _settle(self) -> None:
+        """Fold edits made through ``.grad`` into the reduced slice the step reads (a
+        gradient only read keeps its exact reduced values).  The edited values have the
+        operations the buffer had applied: the step applies only the later ones."""
+        served = self._served
+        if served is not None and served._version != self._served_version:
+            self._write_current(served[self.lo : self.hi])
+            self._served_version = served._version
+            self.ops_baked = self._served_ops
+
+    def _forget_served(self, keep_edits: bool) -> None:
+        if keep_edits:
+            self._settle()
+        self._served = None
+        self.dropped.clear()
+        self.ops_baked = 0
+
+    def served_bytes(self) -> int:
+        return _nbytes(self._served)
 
 
 class _PersistentFull(_GradStorage):
@@ -119,6 +217,8 @@ class ReplicatedGrads(_PersistentFull):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._reduced: Optional[torch.Tensor] = None  # in the reduce dtype when it differs
+        self._full_version = 0  # full's version when reduced: an edit through .grad moves it
+        self._reduced_since_zero = False
 
     def reduction_input(self, world_size: int) -> torch.Tensor:
         return self._prescaled(self.full, world_size)
@@ -131,14 +231,54 @@ class ReplicatedGrads(_PersistentFull):
             self.full.copy_(reduced)  # what param.grad shows
             # The step reads the wider reduced copy, not its compute-dtype rounding.
             self._reduced = reduced
+        self._full_version = self.full._version
+        self._reduced_since_zero = True
+        self.ops_baked = 0
+        self.dropped.clear()
         self.ready.clear()
 
+    def read(self, pos: int, gather, pending) -> Optional[torch.Tensor]:
+        # Whole on every rank: .grad is the gradient itself, once the step's operations so
+        # far (clipping) are carried into it, as clipping does to .grad without ZeRO.
+        if not self._reduced_since_zero and pos not in self.received:
+            return None  # .grad is a view of the zeroed buffer: no gradient since zero_grad()
+        if self._reduced_since_zero:
+            ops, end = pending(self.ops_baked)
+            if end != self.ops_baked:
+                for op, value in ops:
+                    if op == "mul":
+                        self.full.mul_(value)
+                    else:
+                        self.full.clamp_(-value, value)
+                self._reduced, self.ops_baked, self._full_version = None, end, self.full._version
+            if pos in self.dropped:
+                return None
+        return _raw_grad(self.params[pos])
+
+    def write(self, pos: int, value: Optional[torch.Tensor], gather, pending) -> None:
+        if not self._reduced_since_zero:
+            _set_raw_grad(self.params[pos], value)  # local: the next backward's gradient replaces it
+            return
+        self.read(pos, gather, pending)  # an edit comes after the operations so far
+        view = self._view(self.full, pos)
+        if value is None:
+            view.zero_()
+            self.dropped.add(pos)
+        else:
+            view.copy_(value)
+            self.dropped.discard(pos)
+
     def reduced(self) -> torch.Tensor:
+        if self._reduced is not None and self.full._version != self._full_version:
+            self._reduced = None  # edited through .grad: the step takes the edit
         return self._reduced if self._reduced is not None else self.full
 
     def zero(self) -> None:
         self.full.zero_()
         self._reduced = None
+        self._reduced_since_zero = False
+        self.ops_baked = 0
+        self.dropped.clear()
         self._attach_views()
         self.ready.clear()
         self.received.clear()
@@ -179,12 +319,57 @@ class OwnerSliceGrads(_PersistentFull):
     def reduction_input(self, world_size: int) -> torch.Tensor:
         return self._prescaled(self.full, world_size)
 
+    @property
+    def holds_reduced(self) -> bool:
+        return not self._slice_fresh
+
+    def read(self, pos: int, gather, pending) -> Optional[torch.Tensor]:
+        if not self.holds_reduced and pos not in self.received:
+            return None  # .grad is a view of the zeroed buffer: no gradient since zero_grad()
+        return super().read(pos, gather, pending)
+
+    def _serve(self, gather, pending) -> torch.Tensor:
+        # When ``full`` holds the reduced slice itself, the other ranks' slices are gathered
+        # into the rest of it: no second buffer, and .grad is the view autograd fills.
+        if self._served is None and self.slice is None and not self._prescaled_slice:
+            gather(self.full, self.full[self.lo : self.hi])
+            self._served, self._served_version, self._served_ops = self.full, self.full._version, self.ops_baked
+        return super()._serve(gather, pending)
+
+    def _serves_in_place(self) -> bool:
+        return self._served is self.full
+
+    def _forget_served(self, keep_edits: bool) -> None:
+        if self._served is self.full:  # back to "this rank's slice, zeros elsewhere"
+            self.full[: self.lo].zero_()
+            self.full[self.hi :].zero_()
+        super()._forget_served(keep_edits)
+
+    def served_bytes(self) -> int:
+        return 0 if self._served is self.full else super().served_bytes()
+
+    def _current(self) -> torch.Tensor:
+        if self.slice is not None:
+            return self.slice
+        own = self.full[self.lo : self.hi]
+        return own / self.layout.world_size if self._prescaled_slice else own
+
+    def _write_current(self, values: torch.Tensor) -> None:
+        if self.slice is not None:
+            self.slice.copy_(values)
+        else:
+            own = self.full[self.lo : self.hi]
+            own.copy_(values)
+            if self._prescaled_slice:
+                own.mul_(self.layout.world_size)
+
     def reduction_output(self) -> torch.Tensor:
         if self.slice is not None and self._slice_fresh and self.slice.dtype == self.reduce_dtype and self.slice.device == self.device:
             return self.slice  # the collective overwrites it
         return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
     def finish_reduction(self, reduced: torch.Tensor) -> None:
+        self._forget_served(keep_edits=False)  # folded in before this backward (before_synced_forward)
         if self.slice is not None:
             if reduced.data_ptr() != self.slice.data_ptr():
                 if self._slice_fresh:
@@ -206,12 +391,14 @@ class OwnerSliceGrads(_PersistentFull):
         """Rare: a second synchronised backward before ``step``.  The next reduction
         pre-divides ``full`` by N and sums over ranks; only this rank holds its reduced
         slice, so scale it by N first to keep it intact."""
+        self._forget_served(keep_edits=True)
         if self._holds_reduced and self.layout.world_size > 1:
             self.full[self.lo : self.hi].mul_(self.layout.world_size)
             self._prescaled_slice = True
         self._holds_reduced = False
 
     def reduced(self) -> torch.Tensor:
+        self._settle()
         if self.slice is not None:
             return self.slice
         if self._prescaled_slice:  # a forward ran but no synchronised backward followed
@@ -220,6 +407,7 @@ class OwnerSliceGrads(_PersistentFull):
         return self.full[self.lo : self.hi]
 
     def zero(self) -> None:
+        self._forget_served(keep_edits=False)
         self.full.zero_()
         self._attach_views()
         if self.slice is not None:
@@ -231,23 +419,27 @@ class OwnerSliceGrads(_PersistentFull):
 
     def bytes(self) -> dict:
         slice_bytes = _nbytes(self.slice)
-        return {"gradients": _nbytes(self.full) + slice_bytes, "communication_buffers": 0,
+        return {"gradients": _nbytes(self.full) + slice_bytes + self.served_bytes(), "communication_buffers": 0,
                 "offloaded": slice_bytes if self.offloaded else 0}
 
 
 class ShardedGrads(_GradStorage):
-    """Stages 2 and 3: gradients are reduce-scattered every backward (inside no_sync too)
-    and only this rank's reduced slice is kept.
+    """Stages 2 and 3: gradients are reduce-scattered every backward (inside no_sync too,
+    unless ``reduces_in_no_sync`` is off: then they wait whole in ``p.grad`` until a
+    synchronised backward) and only this rank's reduced slice is kept.
 
-    On the compute device the slice's storage is freed by :meth:`zero` and re-grown by
-    the next reduction, so it does not sit beside the next forward's activations (its
-    bytes count from backward to step, as in FSDP2)."""
+    On the compute device the slice's storage is freed by the step (unless the step
+    leaves the gradients for zero_grad(): ``frees_after_step``) and by :meth:`zero`, and
+    re-grown by the next reduction, so it does not sit beside the next forward's
+    activations (its bytes count from backward to step, as in FSDP2)."""
 
-    reduces_unsynced = True
     reduction_input_is_scratch = True  # the full-size bucket is dropped once reduced
 
-    def __init__(self, *args, slice_device: Optional[torch.device] = None, **kwargs) -> None:
+    def __init__(self, *args, slice_device: Optional[torch.device] = None, reduces_in_no_sync: bool = True,
+                 frees_after_step: bool = True, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.reduces_unsynced = reduces_in_no_sync
+        self._frees_after_step = frees_after_step
         n = self.layout.shard_numel
         self.offloaded = slice_device is not None
         pin = self.offloaded and self.device.type == "cuda"
@@ -322,7 +514,21 @@ class ShardedGrads(_GradStorage):
             return self.slice
         return torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
 
+    @property
+    def holds_reduced(self) -> bool:
+        return not self._slice_fresh
+
+    def _current(self) -> torch.Tensor:
+        if self._regrow():
+            self.slice.zero_()
+        return self.slice
+
+    def _write_current(self, values: torch.Tensor) -> None:
+        self._regrow()
+        self.slice.copy_(values)
+
     def finish_reduction(self, reduced: torch.Tensor) -> None:
+        self._forget_served(keep_edits=True)  # what was edited through .grad, then this backward's sum
         self._regrow()
         if reduced.data_ptr() != self.slice.data_ptr():
             if self._slice_fresh:
@@ -341,14 +547,16 @@ class ShardedGrads(_GradStorage):
     def reduced(self) -> torch.Tensor:
         if self._regrow():
             self.slice.zero_()  # no reduction since zero(): the gradient is zero
+        self._settle()
         return self.slice
 
     def free(self) -> None:
         """The step has consumed the slice: give its memory back now (see the class doc)."""
-        if self._frees_between_steps:
+        if self._frees_between_steps and self._frees_after_step and self._served is None:
             self.slice.untyped_storage().resize_(0)
 
     def zero(self) -> None:
+        self._forget_served(keep_edits=False)
         if self._frees_between_steps:
             self.slice.untyped_storage().resize_(0)
         else:
@@ -364,18 +572,34 @@ class ShardedGrads(_GradStorage):
     def bytes(self) -> dict:
         slice_bytes = _nbytes(self.slice)
         # Full-size gradients waiting for the unit's reduction are the bucket's, not yet made.
-        deferred = sum(_nbytes(self.params[pos].grad) for pos in self._deferred)
-        return {"gradients": slice_bytes, "communication_buffers": _nbytes(self.bucket) + deferred,
+        deferred = sum(_nbytes(_raw_grad(self.params[pos])) for pos in self._deferred)
+        return {"gradients": slice_bytes + self.served_bytes(), "communication_buffers": _nbytes(self.bucket) + deferred,
                 "offloaded": slice_bytes if self.offloaded else 0}
 
 
-def grad_storage_for(kind: str, params, layout, shard_index, *, compute_dtype, reduce_dtype, device, slice_device=None):
-    """Build the storage ``kind`` names (see :class:`~zero_strategy.policy.StagePolicy`)."""
+def grad_storage_for(kind: str, params, layout, shard_index, *, compute_dtype, reduce_dtype, device, slice_device=None,
+                     lifetime=None):
+    """Build the storage ``kind`` names (see :class:`~zero_strategy.policy.StagePolicy`);
+    ``lifetime`` is the :class:`~zero_strategy.policy.GradientPolicy` (default: reduce
+    inside no_sync at stages 2-3, step() clears)."""
     common = dict(compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, device=device)
     if kind == "replicated":
         return ReplicatedGrads(params, layout, shard_index, **common)
     if kind == "owner_slice":
         return OwnerSliceGrads(params, layout, shard_index, slice_device=slice_device, **common)
     if kind == "sharded":
-        return ShardedGrads(params, layout, shard_index, slice_device=slice_device, **common)
+        return ShardedGrads(params, layout, shard_index, slice_device=slice_device,
+                            reduces_in_no_sync=lifetime.reduces_in_no_sync if lifetime else True,
+                            frees_after_step=lifetime.step_clears if lifetime else True, **common)
     raise ValueError(f"unknown gradient storage {kind!r}")
+
+
+def _raw_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """``p.grad`` as autograd keeps it, past any ``.grad`` handling of p's class."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.grad
+
+
+def _set_raw_grad(p: torch.Tensor, value: Optional[torch.Tensor]) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        p.grad = value

@@ -17,7 +17,7 @@ collective the same size.
 
 Reduction happens on synchronised backward passes; inside ``no_sync`` stages 0 and 1
 only accumulate locally, while stages 2 and 3 still reduce every micro-batch (their
-full-size gradient never outlives its bucket).
+full-size gradient never outlives its bucket) unless ``no_sync_reduces`` is off.
 """
 from __future__ import annotations
 
