@@ -43,11 +43,7 @@ class StepGradients:
         if not ops and g.dtype == target.dtype and g.device == target.device:
             return g
         out = g.to(device=target.device, dtype=target.dtype, copy=True)
-        for op, value in ops:
-            if op == "mul":
-                out.mul_(value)
-            else:
-                out.clamp_(-value, value)
+        apply_operations(out, ops)
         return out
 
     def norm(self, units, norm_type: float) -> torch.Tensor:
@@ -66,3 +62,12 @@ class StepGradients:
         if not s.policies.stage.gradients_are_replicated:
             local = s.comm.control_all_reduce(local.reshape(1), op, label="the gradient norm")[0]
         return local if norm_type == math.inf else local ** (1.0 / norm_type)
+
+
+def apply_operations(t: torch.Tensor, ops) -> None:
+    """Apply recorded ``(op, value)`` operations to ``t`` in place, in order."""
+    for op, value in ops:
+        if op == "mul":
+            t.mul_(value)
+        else:
+            t.clamp_(-value, value)

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..communication.collectives import HEADER_ROOM
+from ..optim.step_grads import apply_operations
 from .layout import FlatLayout
 from .param_shard import _nbytes
 
@@ -138,11 +139,7 @@ class _GradStorage:
             self._served, self._served_version, self._served_ops = full, full._version, self.ops_baked
         ops, end = pending(self._served_ops)
         if end != self._served_ops:
-            for op, value in ops:
-                if op == "mul":
-                    self._served.mul_(value)
-                else:
-                    self._served.clamp_(-value, value)
+            apply_operations(self._served, ops)
             self._served_ops = end
             self._served_version = self._served._version  # applied here, not an edit
             if self._serves_in_place():
@@ -245,11 +242,7 @@ class ReplicatedGrads(_PersistentFull):
         if self._reduced_since_zero:
             ops, end = pending(self.ops_baked)
             if end != self.ops_baked:
-                for op, value in ops:
-                    if op == "mul":
-                        self.full.mul_(value)
-                    else:
-                        self.full.clamp_(-value, value)
+                apply_operations(self.full, ops)
                 self._reduced, self.ops_baked, self._full_version = None, end, self.full._version
             if pos in self.dropped:
                 return None
@@ -552,7 +545,7 @@ class ShardedGrads(_GradStorage):
 
     def free(self) -> None:
         """The step has consumed the slice: give its memory back now (see the class doc)."""
-        if self._frees_between_steps and self._frees_after_step and self._served is None:
+        if self._frees_between_steps and self._frees_after_step:
             self.slice.untyped_storage().resize_(0)
 
     def zero(self) -> None:
