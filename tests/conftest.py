@@ -16,3 +16,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join(TEST_PATHS + [p for p in os.environ.g
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", message=".*Converting a tensor with requires_grad=True to a scalar.*")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for ``-n auto`` (pyproject's addopts): as many as cores, at most 4.  Most
+    test files start 2-4 processes of their own, so more workers than cores only make
+    them contend (and timeouts tighter); on 2 cores two workers fill the time one
+    leaves idle (process start-up, teardown, ranks waiting for each other)."""
+    return max(1, min(os.cpu_count() or 1, 4))

@@ -180,6 +180,15 @@ def _process_tree(root: int) -> list:
     return tree
 
 
+REFERENCE_EXIT = Path(__file__).resolve().parents[1] / "support" / "reference_exit"
+
+
+def reference_env(env: dict) -> dict:
+    """``env`` for a plain DDP reference launch: its processes load
+    tests/support/reference_exit/sitecustomize.py, which keeps them from hanging at exit."""
+    return dict(env, PYTHONPATH=os.pathsep.join([str(REFERENCE_EXIT), env.get("PYTHONPATH", "")]))
+
+
 def _run_reference(cmd, env, cwd, output: Path) -> subprocess.CompletedProcess:
     """A plain DDP reference launch. After the script has finished, a process can hang in
     interpreter shutdown: DDP's Reducer, freed last, destroys its gloo process group,
@@ -242,7 +251,7 @@ class Launcher:
         if reference_output is None:
             proc = subprocess.run(cmd, env=env or self.env, cwd=self.root, capture_output=True, text=True, timeout=TIMEOUT)
         else:
-            proc = _run_reference(cmd, env or self.env, self.root, reference_output)
+            proc = _run_reference(cmd, reference_env(env or self.env), self.root, reference_output)
         self.launches += 1  # kept for post-mortems
         (self.root / f"launch{self.launches:02d}.log").write_text(f"{cmd}\n{proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         if reference_output is not None and proc.returncode != 0 and reference_output.exists() \

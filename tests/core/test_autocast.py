@@ -83,9 +83,7 @@ def test_autocast_config_dtypes():
     assert precision(precision="fp16", autocast=True).loss_scaling
 
 
-def test_autocast_context_is_left_when_forward_raises():
-    import os
-
+def test_autocast_context_is_left_when_forward_raises(tmp_path):
     import torch.distributed as dist
 
     import zero_strategy
@@ -105,9 +103,10 @@ def test_autocast_context_is_left_when_forward_raises():
 
     started = not dist.is_initialized()
     if started:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29561")
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # A file store: no port, and nothing left in this process's environment for the
+        # processes later tests start (a MASTER_PORT set here once made every later
+        # Lightning launch of this pytest worker listen on it).
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = Boom()
         engine = zero_strategy.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),

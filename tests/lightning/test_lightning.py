@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from processes import run_session
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
 ZERO = ("zero1", "zero2", "zero3")
@@ -31,10 +33,10 @@ WIDTH = 320  # Linear(320, 320) has 102,720 elements: above param_persistence_th
 def _run(*args, timeout=420, env_extra=None):
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false"})
-    env.pop("LOCAL_RANK", None)
-    env.pop("WORLD_SIZE", None)
+    for name in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "NODE_RANK"):
+        env.pop(name, None)  # Lightning's launcher picks a free port for each run
     env.update(env_extra or {})
-    proc = subprocess.run([sys.executable, *map(str, args)], cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_session([sys.executable, *map(str, args)], cwd=str(ROOT), env=env, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

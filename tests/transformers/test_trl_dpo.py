@@ -37,7 +37,7 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from hf_local_assets import WORDS, save_tiny_llama, write_text  # noqa: E402
-from test_accelerate import TIMEOUT, Launcher, _close, _process_tree, _write_config  # noqa: E402
+from test_accelerate import TIMEOUT, Launcher, _close, _process_tree, _write_config, reference_env  # noqa: E402
 from trainer_state import logged_per_step  # noqa: E402
 
 DPO_SCRIPT = Path(trl.__file__).parent / "scripts" / "dpo.py"
@@ -89,7 +89,8 @@ class DpoRuns:
     def _launch(self, cmd, name: str, reference_output) -> str:
         log = self.launcher.root / f"{name}.log"
         with log.open("w") as f:
-            proc = subprocess.Popen(cmd, env=self.launcher.env, cwd=self.launcher.root, stdout=f, stderr=subprocess.STDOUT,
+            env = self.launcher.env if reference_output is None else reference_env(self.launcher.env)
+            proc = subprocess.Popen(cmd, env=env, cwd=self.launcher.root, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             deadline, finished_at = time.monotonic() + TIMEOUT, None
             while proc.poll() is None and time.monotonic() < deadline:
@@ -97,7 +98,7 @@ class DpoRuns:
                     finished_at = time.monotonic()
                 if finished_at is not None and time.monotonic() - finished_at > 15:
                     break  # the stock DDP hang at exit described above
-                time.sleep(1)
+                time.sleep(0.2)
             stopped = proc.poll() is None
             if stopped:
                 # torchrun starts each worker in a session of its own, so killing the
