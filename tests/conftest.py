@@ -15,6 +15,9 @@ for _p in reversed(TEST_PATHS):
 os.environ["PYTHONPATH"] = os.pathsep.join(TEST_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing is ever downloaded; huggingface_hub reads this when imported (by the fork
+# server of dist_harness.py too, whose warm launches never import it again).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", message=".*Converting a tensor with requires_grad=True to a scalar.*")
 
 

@@ -1,11 +1,18 @@
 """Accelerate and transformers Trainer integration (integrations/accelerate).
 
-Every multi-process check launches the REAL ``accelerate launch`` command with two CPU
-processes (``ACCELERATE_USE_CPU=true``, ``distributed_type: MULTI_GPU``: with
-``MULTI_CPU`` the launcher silently starts a single process unless mpirun is used) on the unchanged example scripts in examples/accelerate/, which do
-not import zero_strategy.  The reference for every number is the same script launched
-with a plain DDP config; checkpoint resumption is compared with the uninterrupted run.
-Each launch runs once per session (cached) and serves several tests.
+Every multi-process check runs ``accelerate launch`` with two CPU processes
+(``ACCELERATE_USE_CPU=true``, ``distributed_type: MULTI_GPU``: with ``MULTI_CPU`` the
+launcher silently starts a single process unless mpirun is used) on the unchanged
+example scripts in examples/accelerate/, which do not import zero_strategy.  The
+reference for every number is the same script launched with a plain DDP config;
+checkpoint resumption is compared with the uninterrupted run.  Each launch runs once
+per session (cached) and serves several tests.
+
+Comparison launches run warm ([Note: warm launches] in tests/support/warm_launch.py):
+accelerate's own launch command from a process that has already imported torch,
+transformers and accelerate, with the ranks forked instead of started by torchrun.
+The tests of the launcher itself (the start-up hook, the CLI, a process's teardown)
+pass ``real=True`` and run the real command.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from warm_launch import HUNG_AFTER_FINISHING, warm_launch
 from zero_strategy.integrations.accelerate import settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -99,7 +107,10 @@ def test_launcher_hook_strips_and_exports_the_section(tmp_path, monkeypatch):
 
     from zero_strategy.integrations.accelerate import hooks
 
-    monkeypatch.delenv(settings.ENV_VAR, raising=False)
+    # set, then deleted: monkeypatch records it and removes what the loads below export
+    # (a leftover here made every later Accelerator of this pytest process a ZeroAccelerator)
+    monkeypatch.setenv(settings.ENV_VAR, "{}")
+    monkeypatch.delenv(settings.ENV_VAR)
     hooks.install_config_section()
     hooks.install_config_section()  # idempotent
     for example in sorted(EXAMPLES.glob("zero*.yaml")):
@@ -159,7 +170,7 @@ def _write_config(path: Path, stage=None, extra: str = "") -> Path:
     return path
 
 
-_HUNG_AT_EXIT = -999
+_HUNG_AT_EXIT = HUNG_AFTER_FINISHING
 EXIT_GRACE = 30  # seconds a reference launch gets to exit once its last output exists
 
 
@@ -247,11 +258,20 @@ class Launcher:
         return head + ["--config_file", str(self.configs[config]), "--main_process_port", str(_free_port()),
                        "--mixed_precision", mixed_precision, str(script), *args]
 
-    def run(self, cmd, env=None, expect_ok=True, reference_output=None):
-        if reference_output is None:
-            proc = subprocess.run(cmd, env=env or self.env, cwd=self.root, capture_output=True, text=True, timeout=TIMEOUT)
+    def run(self, cmd, env=None, expect_ok=True, reference_output=None, real=False):
+        """Run ``cmd``; an ``accelerate launch`` runs warm ([Note: warm launches] in
+        tests/support/warm_launch.py) unless ``real`` or the start-up hook is switched off."""
+        env = env or self.env
+        warm = (not real and list(cmd[:2]) == [ACCELERATE, "launch"] and env.get("ZERO_STRATEGY_AUTOLOAD") != "0"
+                and self.autoload)
+        if warm:
+            proc = warm_launch(cmd[2:], env=env, cwd=self.root, timeout=TIMEOUT,
+                               logs=self.root / f"warm{self.launches + 1:02d}", finished=reference_output)
+            proc.args = cmd
+        elif reference_output is None:
+            proc = subprocess.run(cmd, env=env, cwd=self.root, capture_output=True, text=True, timeout=TIMEOUT)
         else:
-            proc = _run_reference(cmd, reference_env(env or self.env), self.root, reference_output)
+            proc = _run_reference(cmd, reference_env(env), self.root, reference_output)
         self.launches += 1  # kept for post-mortems
         (self.root / f"launch{self.launches:02d}.log").write_text(f"{cmd}\n{proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         if reference_output is not None and proc.returncode != 0 and reference_output.exists() \

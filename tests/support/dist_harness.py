@@ -29,7 +29,9 @@ import torch.multiprocessing as mp
 
 # Imported once in the fork server: every worker needs them, none has state to share.
 _PRELOAD = ["torch", "torch.distributed", "transformers.modeling_utils", "transformers.models.gpt2.modeling_gpt2",
-            "transformers.models.llama.modeling_llama", "safetensors.torch"]
+            "transformers.models.llama.modeling_llama", "safetensors.torch",
+            # warm launches (warm_launch.py): accelerate's launcher and what the launched scripts import
+            "accelerate", "accelerate.commands.launch", "transformers.trainer"]
 _context = None
 
 
@@ -39,14 +41,18 @@ def _mp_context():
         if sys.platform.startswith("linux"):
             _context = mp.get_context("forkserver")
             _context.set_forkserver_preload(_PRELOAD)
-            # The server loads torch's OpenMP runtime, which reads OMP_NUM_THREADS once.
-            saved = os.environ.get("OMP_NUM_THREADS")
+            # The server loads torch's OpenMP runtime, which reads OMP_NUM_THREADS once;
+            # and it imports accelerate, whose start-up hook acts on a zero_config section
+            # in the environment: the server starts without one.
+            saved = dict(os.environ)
             os.environ.setdefault("OMP_NUM_THREADS", "1")
+            for name in [k for k in os.environ if k.startswith("ZERO_STRATEGY_")]:
+                del os.environ[name]
             try:
                 multiprocessing.forkserver.ensure_running()
             finally:
-                if saved is None:
-                    del os.environ["OMP_NUM_THREADS"]
+                os.environ.clear()
+                os.environ.update(saved)
         else:  # fork is unsafe on macOS
             _context = mp.get_context("spawn")
     return _context

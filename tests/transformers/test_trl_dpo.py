@@ -38,6 +38,7 @@ pytest.importorskip("peft")
 
 from hf_local_assets import WORDS, save_tiny_llama, write_text  # noqa: E402
 from test_accelerate import TIMEOUT, Launcher, _close, _process_tree, _write_config, reference_env  # noqa: E402
+from warm_launch import HUNG_AFTER_FINISHING, warm_launch  # noqa: E402
 from trainer_state import logged_per_step  # noqa: E402
 
 DPO_SCRIPT = Path(trl.__file__).parent / "scripts" / "dpo.py"
@@ -88,6 +89,14 @@ class DpoRuns:
 
     def _launch(self, cmd, name: str, reference_output) -> str:
         log = self.launcher.root / f"{name}.log"
+        if self.launcher.autoload:  # warm, as the Launcher runs launches (tests/support/warm_launch.py)
+            proc = warm_launch(cmd[2:], env=self.launcher.env, cwd=self.launcher.root, timeout=TIMEOUT,
+                               logs=self.launcher.root / name, finished=reference_output)
+            text = proc.stdout + proc.stderr
+            log.write_text(text)
+            if proc.returncode != 0 and proc.returncode != HUNG_AFTER_FINISHING:
+                raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{text[-6000:]}")
+            return text
         with log.open("w") as f:
             env = self.launcher.env if reference_output is None else reference_env(self.launcher.env)
             proc = subprocess.Popen(cmd, env=env, cwd=self.launcher.root, stdout=f, stderr=subprocess.STDOUT,
