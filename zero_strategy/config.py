@@ -41,6 +41,7 @@ _INT_RULES = {
     "loss_scale_window": (1, None, "steps without overflow before the scale doubles"),
     "hysteresis": (1, None, "overflows tolerated before the scale is lowered"),
     "nvme_inflight_bytes": (1, None, "bytes of disk-offloaded state in memory during step()"),
+    "quantization_block_size": (8, None, "elements per quantization block, one fp32 scale each"),
 }
 
 MIN_COLLECTIVE_TIMEOUT = 0.1  # seconds: shorter waits fail healthy collectives
@@ -363,6 +364,38 @@ class ZeroConfig:
     """ZeRO-R P_a+cpu: move the activation checkpoints (block inputs) to host memory
     between forward and backward. Needs activation_checkpointing."""
 
+    ranks_per_node: Optional[int] = None
+    """Ranks per node (consecutive global ranks share a node). None = what the launcher
+    says (torchrun's LOCAL_WORLD_SIZE, Slurm's SLURM_NTASKS_PER_NODE, Lightning's
+    num_nodes), else one node. Set it to simulate nodes on one host, or where a launcher
+    says nothing. Decides which traffic comm_report() counts as cross-node and which
+    ranks `secondary_partition` and `gradient_quantization` group together."""
+
+    secondary_partition: Optional[str] = None
+    """Stage 3, ZeRO++'s hpZ: "node" keeps, from each unit's forward until its backward,
+    a second partition of its 16-bit parameters across the ranks of this node only
+    (1/ranks_per_node of the unit per rank), so backward's all-gather never leaves the
+    node. Costs that much memory per unit between forward and backward; None = off."""
+
+    weight_quantization: Optional[str] = None
+    """Stage 3, ZeRO++'s qwZ: "int8" sends parameters in training all-gathers as
+    block-quantized int8 with one fp32 scale per `quantization_block_size` elements
+    (8.125 bits per element at 256), dequantized alike on every rank (this rank's own
+    chunk too, so every rank computes with the same weights). The fp32 masters, state
+    dicts, checkpoints, evaluation (no-grad) forwards and gathered_parameters() stay
+    exact. None = off."""
+
+    gradient_quantization: Optional[str] = None
+    """Stages 2-3, ZeRO++'s qgZ: "int8" or "int4" reduces gradients in two levels: a
+    full-precision reduce-scatter inside each node, then an all-to-all of block-quantized
+    pieces between the ranks with the same local rank on every node, dequantized and
+    summed in fp32. Only cross-node bytes shrink; needs more than one node (see
+    `ranks_per_node`). No error feedback. None = off."""
+
+    quantization_block_size: int = 256
+    """Elements per quantization block (one fp32 scale each) for `weight_quantization`
+    and `gradient_quantization` (>= 8). Smaller blocks: smaller error, more scale bytes."""
+
     collective_timeout: float = 600.0
     """Seconds any ZeRO collective may wait for the other ranks (at least 0.1). When it runs out,
     or a peer dies, every rank raises CollectiveError saying which collective (module,
@@ -434,6 +467,7 @@ class ZeroConfig:
                 f"ZeroConfig.on_min_loss_scale must be one of {', '.join(map(repr, _MIN_LOSS_SCALE_POLICIES))}, "
                 f"got {self.on_min_loss_scale!r}"
             )
+        _check_multi_node(self)
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError(
                 "ZeroConfig.offload_activations needs activation_checkpointing (the checkpoints are what is "
@@ -543,6 +577,30 @@ def _check_offload(config: "ZeroConfig") -> None:
                          "offload_optimizer='nvme' (and at stage 3 optionally offload_param='nvme'), or drop nvme_path")
     if path is not None:
         object.__setattr__(config, "nvme_path", os.fspath(path))
+
+
+def _check_multi_node(config: "ZeroConfig") -> None:
+    """ranks_per_node and ZeRO++'s three options: values, and the stages they need."""
+    if config.ranks_per_node is not None:
+        value = _as_int("ranks_per_node", config.ranks_per_node)
+        if value < 1:
+            raise ValueError(f"ZeroConfig.ranks_per_node must be >= 1 or None (from the launcher), got {value}")
+        object.__setattr__(config, "ranks_per_node", value)
+    choices = {"secondary_partition": ("node",), "weight_quantization": ("int8",),
+               "gradient_quantization": ("int8", "int4")}
+    for name, allowed in choices.items():
+        value = getattr(config, name)
+        if value in ("none", "None", False, ""):
+            object.__setattr__(config, name, None)
+        elif value is not None and value not in allowed:
+            raise ValueError(f"ZeroConfig.{name} must be None or one of {', '.join(map(repr, allowed))}, got {value!r}")
+    for name in ("secondary_partition", "weight_quantization"):
+        if getattr(config, name) is not None and config.stage != 3:
+            raise ValueError(f"ZeroConfig.{name}={getattr(config, name)!r} needs stage 3 (only stage 3 gathers "
+                             f"parameters), got stage {config.stage}")
+    if config.gradient_quantization is not None and config.stage < 2:
+        raise ValueError(f"ZeroConfig.gradient_quantization={config.gradient_quantization!r} needs stage 2 or 3 "
+                         f"(a reduce-scatter of gradients), got stage {config.stage}")
 
 
 def _unknown_key_message(key: Any, valid: list) -> str:

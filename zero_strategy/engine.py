@@ -22,6 +22,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.nn as nn
 
+from .communication import multinode
 from .communication.comm import Communicator
 from .config import ZeroConfig
 from .execution.activation import apply_activation_checkpointing
@@ -116,6 +117,9 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
         check_same_setup(comm, model, optimizer_set, config, sync_module_states=sync_module_states, pretrained=pretrained)
         if sync_module_states and comm.world_size > 1:
             _broadcast_from_rank0(model, comm, skip=pending)
+        # Nodes, and ZeRO++'s node and cross-node communicators when asked for (every rank
+        # has the same config now, so every rank builds the same groups).
+        self.topology = multinode.set_up(comm, config)
         # Parameters recorded by init_context get an eager build's values, replayed below
         # ([Note: recorded initialisation] in materialize/recording.py).
         replay = plan_replay(model, comm) if pending and device.type != "meta" else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Dict
 
 from .accounting import optimizer_state_bytes
+from .communication.multinode import describe as describe_nodes
 from .units import gib
 
 
@@ -24,7 +25,7 @@ def memory_report(sharded) -> Dict[str, int]:
         if offloads_optimizer:
             parts["offloaded"] = parts.get("offloaded", 0) + parts["master_weights"]
         for k, v in parts.items():
-            report[k] += v
+            report[k] = report.get(k, 0) + v
     for p in sharded.untouched.values():
         report["parameters"] += p.numel() * p.element_size()
         if p.grad is not None:
@@ -87,7 +88,12 @@ def describe(sharded) -> str:
     cfg, pp = sharded.config, sharded.policies.precision
     precision = (f"{cfg.precision} autocast over fp32 parameters" if pp.autocast_dtype is not None
                  else f"{cfg.precision} with fp32 master weights" if pp.mixed else "fp32")
-    return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s): {s['num_units']} flat units{what}; "
+    topology = sharded.comm.topology
+    nodes = ""
+    if topology.multi_node or any(getattr(cfg, k) is not None for k in
+                                  ("secondary_partition", "weight_quantization", "gradient_quantization")):
+        nodes = f" ({describe_nodes(topology, cfg)})"
+    return (f"ZeRO stage {s['stage']} on {s['world_size']} rank(s){nodes}: {s['num_units']} flat units{what}; "
             f"{precision}; model states {held} on this rank now")
 
 

@@ -45,6 +45,11 @@ EXPECTED_DEFAULTS = {
     "nvme_inflight_bytes": 256 * 2**20,
     "activation_checkpointing": (),
     "offload_activations": False,
+    "ranks_per_node": None,
+    "secondary_partition": None,
+    "weight_quantization": None,
+    "gradient_quantization": None,
+    "quantization_block_size": 256,
     "collective_timeout": 600.0,
     "check_call_order": False,
     "on_min_loss_scale": "raise",
@@ -100,6 +105,11 @@ def test_unknown_key_with_nothing_close_lists_valid_keys():
     ("stage", True),
     ("precision", "fp8"),
     ("precision", 8),
+    ("ranks_per_node", 0),
+    ("secondary_partition", "gpu"),
+    ("weight_quantization", "int4"),
+    ("gradient_quantization", "fp8"),
+    ("quantization_block_size", 4),
     ("reduce_dtype", "int8"),
     ("reduce_bucket_size", -1),
     ("reduce_bucket_size", 0),
@@ -336,3 +346,14 @@ def test_extreme_accepted_static_loss_scales_keep_parameters_finite(scale):
             assert p.dtype == b.dtype
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("changes, needs", [
+    (dict(stage=2, secondary_partition="node"), "needs stage 3"),
+    (dict(stage=1, weight_quantization="int8"), "needs stage 3"),
+    (dict(stage=1, gradient_quantization="int4"), "needs stage 2 or 3"),
+])
+def test_zero_plus_plus_options_name_the_stage_they_need(changes, needs):
+    with pytest.raises(ValueError, match=needs):
+        ZeroConfig(**changes)
+    assert ZeroConfig(stage=3, **{k: v for k, v in changes.items() if k != "stage"})  # accepted at stage 3

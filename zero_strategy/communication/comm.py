@@ -12,7 +12,13 @@ paper's 2Ψ / 3Ψ.  Accounting convention (the paper's, first-order ring volume)
 
 ``paper_volume`` in the report adds these up; small control collectives (overflow
 flags, norms) are counted under their own kind and excluded from ``paper_volume``.
-Only payloads are counted, never the in-band headers.
+Only payloads are counted, never the in-band headers.  Besides, every kind counts the
+bytes this rank sends to ranks on its own node and on other nodes ([Note:
+direct-exchange bytes] in topology.py); ZeRO++'s hierarchical collectives run on the
+node and cross-node sub-communicators (:meth:`Communicator.sub`), which add to the same
+tally.  A quantized collective counts its elements as the tensor's and its bytes as
+what moves (int8 or int4 payload plus scales), so ``bits_per_element`` shows the
+compression.
 
 [Note: no silent hangs]
 Every collective records where this rank is (kind, what it is for: a module name or a
@@ -37,6 +43,7 @@ which gloo would otherwise answer by aborting a process.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import os
 import pickle
@@ -52,6 +59,7 @@ import torch.distributed as dist
 from .. import agreement
 from . import collectives as C
 from .bounded import PeerFailed, WaitTimeout, wait_work
+from .topology import GroupPlacement, Topology, sent_bytes
 from .diagnosis import CollectiveError, Reports, build_error, current_api, describe, report_window
 
 BULK_KINDS = ("reduce_scatter", "all_gather", "all_reduce")
@@ -65,6 +73,17 @@ class _Tally:
     calls: int = 0
     elements: int = 0
     bytes: int = 0
+    intra_node_bytes: int = 0  # sent to ranks on this rank's node ([Note: direct-exchange bytes])
+    cross_node_bytes: int = 0  # sent to ranks on other nodes
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8 * self.bytes / self.elements if self.elements else 0.0
+
+
+# How each tally kind's bytes are sent ([Note: direct-exchange bytes] in topology.py).
+_SHAPE_OF_KIND = {"reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce", "control": "all_reduce",
+                  "broadcast": "broadcast"}
 
 
 @dataclass
@@ -84,9 +103,20 @@ class CommReport:
                 total += t.elements
         return total
 
+    @property
+    def cross_node_bytes(self) -> int:
+        """Bytes this rank sent to other nodes, every kind."""
+        return sum(t.cross_node_bytes for t in self.kinds.values())
+
+    @property
+    def intra_node_bytes(self) -> int:
+        return sum(t.intra_node_bytes for t in self.kinds.values())
+
     def as_dict(self) -> Dict[str, Dict[str, int]]:
-        out = {k: {"calls": t.calls, "elements": t.elements, "bytes": t.bytes} for k, t in self.kinds.items()}
+        out = {k: {"calls": t.calls, "elements": t.elements, "bytes": t.bytes, "intra_node_bytes": t.intra_node_bytes,
+                   "cross_node_bytes": t.cross_node_bytes} for k, t in self.kinds.items()}
         out["paper_volume"] = {"elements": self.paper_volume}
+        out["total"] = {"intra_node_bytes": self.intra_node_bytes, "cross_node_bytes": self.cross_node_bytes}
         return out
 
     def __getitem__(self, kind: str) -> _Tally:
@@ -174,7 +204,7 @@ def _process_group_timeout(group) -> Optional[float]:
 class Communicator:
     """Owns the process group handle and the traffic tally. Never decides *when* to talk."""
 
-    def __init__(self, process_group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, process_group: Optional[dist.ProcessGroup], _tally: Optional[Dict[str, _Tally]] = None) -> None:
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         self.group = process_group
@@ -183,7 +213,15 @@ class Communicator:
         else:
             self.rank = dist.get_rank(process_group)
             self.world_size = dist.get_world_size(process_group)
-        self._tally: Dict[str, _Tally] = defaultdict(_Tally)
+        self._tally: Dict[str, _Tally] = _tally if _tally is not None else defaultdict(_Tally)
+        # [Note: node structure] in topology.py: one node until the engine says otherwise.
+        self.topology = Topology(self.world_size, self.world_size)
+        self._placement = GroupPlacement(self.world_size, 0)
+        self._subs: List["Communicator"] = []
+        # ZeRO++'s sub-communicators (hpZ's gathers, qgZ's two levels), set by the engine.
+        self.node_comm: Optional["Communicator"] = None
+        self.cross_comm: Optional["Communicator"] = None
+        self.gradient_quantization: Optional[Tuple[int, int]] = None  # qgZ: (bits, block), with both above
         # [Note: keeping recent work handles]
         # A Work launched from inside backward captures thread-local autograd state
         # (a Python object).  If a gloo worker thread drops the last reference to it
@@ -220,6 +258,8 @@ class Communicator:
     def configure(self, timeout: Optional[float], check_order: bool) -> None:
         self.timeout = timeout
         self.check_order = check_order
+        for sub in self._subs:
+            sub.configure(timeout, check_order)
         if self._gloo:
             try:
                 store = dist.distributed_c10d._get_default_store()
@@ -230,6 +270,42 @@ class Communicator:
     def start_step(self, step: int) -> None:
         """Positions are numbered within a step, so they can be compared across ranks."""
         self.step, self._call = step, 0
+        for sub in self._subs:
+            sub.start_step(step)
+
+    # -- topology ([Note: node structure] in topology.py) ---------------------------------
+    def global_ranks(self) -> List[int]:
+        if self.group is None:
+            return [0]
+        return list(dist.get_process_group_ranks(self.group))
+
+    def set_topology(self, topology: Topology) -> None:
+        """Which ranks share a node: decides the intra/cross split of every count."""
+        ranks = self.global_ranks()
+        self.topology = topology
+        self._placement = GroupPlacement.of(topology, ranks, ranks[self.rank])
+
+    def sub(self, groups: Sequence[Sequence[int]], what: str) -> "Communicator":
+        """A communicator over the one of ``groups`` (global ranks, together covering
+        every rank of this communicator) that holds this rank.  Every rank builds every
+        group, in the same order, as ``dist.new_group`` requires.  It adds to this
+        communicator's tally, follows its steps and settings, and is what ``what``
+        names in messages."""
+        me = self.global_ranks()[self.rank]
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(list(ranks), use_local_synchronization=False)
+            if me in ranks:
+                mine = group
+        sub = Communicator(mine, _tally=self._tally)
+        sub.set_topology(self.topology)
+        sub.what = what
+        sub.configure(self.timeout, self.check_order)
+        sub.start_step(self.step)
+        self._subs.append(sub)
+        return sub
+
+    what = "every rank"
 
     # -- positions, waits, diagnosis ---------------------------------------------------------
     def _enter(self, kind: str, label: str, tensor: Optional[torch.Tensor] = None, numel: int = 0):
@@ -350,14 +426,23 @@ class Communicator:
         return err
 
     # -- accounting --------------------------------------------------------------------
-    def _count(self, kind: str, numel: int, element_size: int) -> None:
+    def _count(self, kind: str, numel: int, element_size: int, *, nbytes: Optional[int] = None,
+               is_source: bool = True, sent: Optional[Tuple[int, int]] = None) -> None:
+        """One collective of ``numel`` elements; ``nbytes`` where what moves is not
+        ``numel * element_size`` (quantized), ``sent`` where the (intra, cross) split is
+        known exactly (all-to-all)."""
         t = self._tally[kind]
+        nbytes = numel * element_size if nbytes is None else nbytes
         t.calls += 1
         t.elements += numel
-        t.bytes += numel * element_size
+        t.bytes += nbytes
+        if sent is None:
+            sent = sent_bytes(_SHAPE_OF_KIND.get(kind, "all_gather"), nbytes, self._placement, is_source)
+        t.intra_node_bytes += sent[0]
+        t.cross_node_bytes += sent[1]
 
     def report(self) -> CommReport:
-        return CommReport({k: _Tally(t.calls, t.elements, t.bytes) for k, t in self._tally.items()})
+        return CommReport({k: dataclasses.replace(t) for k, t in self._tally.items()})
 
     def reset(self) -> None:
         self._tally.clear()
@@ -374,7 +459,7 @@ class Communicator:
     def carries_riders(self) -> bool:
         """Whether gradient collectives can sum a caller's flag along ([Note: riders] in
         collectives.py): on gloo with more than one rank."""
-        return self._gloo
+        return self._gloo and self.gradient_quantization is None
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, async_op: bool = True, label: str = "gradients",
                        scratch: bool = False, kept: bool = False, rider: Optional[torch.Tensor] = None):
@@ -403,6 +488,20 @@ class Communicator:
         position, ident = self._enter("all_gather", label, shard_in, shard_in.numel())
         return self._issue(C.all_gather(full_out, shard_in, self.group, self.world_size, ident, rank=self.rank),
                            position, async_op)
+
+    def all_gather_quantized(self, q_full: torch.Tensor, q_own: torch.Tensor, s_full: torch.Tensor, s_own: torch.Tensor,
+                             *, numel: int, bits: int, label: str = "parameters"):
+        """qwZ: gather every rank's quantized payload row (``q_own`` within ``q_full``) and
+        scales row alike; counted once under ``all_gather`` as ``numel`` elements and
+        the bytes that move ([Note: block quantization] in quantize.py)."""
+        self._count("all_gather", numel, 0, nbytes=q_full.numel() * q_full.element_size()
+                    + s_full.numel() * s_full.element_size())
+        works = []
+        for full, own, what in ((q_full, q_own, f"int{bits}"), (s_full, s_own, "scales")):
+            position, ident = self._enter("all_gather", f"{label} ({what})", own, own.numel())
+            works.append(self._issue(C.all_gather(full, own, self.group, self.world_size, ident, rank=self.rank),
+                                     position, True))
+        return C.Works(works)
 
     def all_gather_kept(self, gathers: Sequence[Tuple[torch.Tensor, torch.Tensor, str]], tally: str = "all_gather") -> list:
         """Several all-gathers into buffers that are kept allocated, each ``(full_out,
@@ -446,13 +545,40 @@ class Communicator:
         elements) goes to rank ``r``, chunk ``r`` of ``out`` comes from it.  Counted
         under ``kind`` as the elements this rank sends to the others (its own chunk
         moves nowhere), outside ``paper_volume``."""
-        self._count(kind, sum(n for r, n in enumerate(in_splits) if r != self.rank), inp.element_size())
+        size = inp.element_size()
+        ranks, me = self.global_ranks(), self.global_ranks()[self.rank]
+        cross = sum(n for r, n in enumerate(in_splits) if self.topology.node_of(ranks[r]) != self.topology.node_of(me))
+        total = sum(n for r, n in enumerate(in_splits) if r != self.rank)
+        self._count(kind, total, size, sent=((total - cross) * size, cross * size))
         if self.world_size == 1:
             out.copy_(inp)
             return
         # The size in the header is the same on every rank (the chunks are not).
         position, ident = self._enter("all_to_all", label, inp, 0)
         self._issue(C.all_to_all(out, inp, out_splits, in_splits, self.group, self.world_size, ident), position, False)
+
+    def all_to_all_quantized(self, q_out: torch.Tensor, q_in: torch.Tensor, s_out: torch.Tensor, s_in: torch.Tensor, *,
+                             rows: int, numel_per_row: int, bits: int, label: str) -> None:
+        """qgZ's exchange ([Note: two-level reduction] in hierarchical.py): row ``r`` of the
+        payload and of the scales goes to rank ``r``.  Counted once, under
+        ``reduce_scatter_cross_node``: the elements this rank sends to the others and
+        the bytes that carry them."""
+        q_row, s_row = q_in.numel() // rows, s_in.numel() // rows
+        ranks, me = self.global_ranks(), self.global_ranks()[self.rank]
+        sent = cross = 0
+        for r in range(rows):
+            if r != self.rank:
+                nbytes = q_row * q_in.element_size() + s_row * s_in.element_size()
+                sent += nbytes
+                cross += nbytes if self.topology.node_of(ranks[r]) != self.topology.node_of(me) else 0
+        self._count("reduce_scatter_cross_node", (rows - 1) * numel_per_row, 0, nbytes=sent, sent=(sent - cross, cross))
+        if self.world_size == 1:
+            q_out.copy_(q_in)
+            s_out.copy_(s_in)
+            return
+        for out, inp, n, what in ((q_out, q_in, q_row, f"int{bits}"), (s_out, s_in, s_row, "scales")):
+            position, ident = self._enter("all_to_all", f"{label} ({what})", inp, 0)
+            self._issue(C.all_to_all(out, inp, [n] * rows, [n] * rows, self.group, self.world_size, ident), position, False)
 
     def control_all_reduce(self, tensor: torch.Tensor, op: str = "sum", label: str = "a control value") -> torch.Tensor:
         """Small synchronous reductions (overflow flags, norms): counted as ``control``.
@@ -487,7 +613,7 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int, label: str = "parameters") -> None:
         """Synchronous broadcast from group rank ``src`` (counted as ``broadcast``)."""
-        self._count("broadcast", tensor.numel(), tensor.element_size())
+        self._count("broadcast", tensor.numel(), tensor.element_size(), is_source=self.rank == src)
         if self.world_size > 1:
             position, ident = self._enter("broadcast", label, tensor, tensor.numel())
             root = dist.get_global_rank(self.group, src)

@@ -15,6 +15,7 @@ from ..offload.disk_offload import make_disk_offload
 from ..optim.optimizer import repoint_optimizer
 from ..optim.optimizer_kinds import is_elementwise
 from .flat_unit import FlatUnit
+from ..communication import multinode
 from .gather import ModuleGroup, ParameterGatherer
 from .planner import plan_partitioned_params, plan_replicated_params
 from .sharded_model import ShardedModel
@@ -132,5 +133,14 @@ def _gatherer(sharded: ShardedModel, plan, module_names) -> ParameterGatherer:
                                                       [], members=spec.members)
         g.units.append(u)
         g.numel += u.layout.padded_numel
-    return ParameterGatherer(list(groups.values()), sharded.module, sharded.comm,
-                             prefetch_numel=sharded.policies.comm.prefetch_numel)
+    comm, cfg = sharded.comm, sharded.config
+    # hpZ: every partitioned unit keeps its node chunk from forward to backward
+    # ([Note: ZeRO++ in a shard] in param_shard.py).
+    secondary = cfg.secondary_partition is not None and comm.node_comm is not None
+    if secondary:
+        for g in groups.values():
+            for u in g.units:
+                u.params_store.enable_secondary(comm.node_comm.rank, comm.node_comm.world_size)
+    return ParameterGatherer(list(groups.values()), sharded.module, comm,
+                             prefetch_numel=sharded.policies.comm.prefetch_numel,
+                             weight_quantization=multinode.weight_quantization(cfg), secondary_partition=secondary)

@@ -117,19 +117,19 @@ class ModuleGroup:
     def gathered(self) -> bool:
         return all(u.state is not ShardState.SHARDED for u in self.units)
 
-    def start_gather(self, comm) -> None:
+    def start_gather(self, comm, quantization=None) -> None:
         for u in self.units:
-            u.params_store.start_gather(comm, u.label)
+            u.params_store.start_gather(comm, u.label, quantization)
 
     def wait(self) -> None:
         for u in self.units:
             u.params_store.finish_gather()
 
-    def release(self) -> None:
+    def release(self, keep_secondary: bool = False) -> None:
         if self.pinned or self.held or self.kept_for_backward:
             return
         for u in self.units:
-            u.params_store.release()
+            u.params_store.release(keep_secondary)
 
     def unpin_and_release(self) -> None:
         self.kept_for_backward = False
@@ -178,8 +178,13 @@ class _PostBackward(torch.autograd.Function):
 class ParameterGatherer:
     """Decides when each module group is gathered and released (stage 3)."""
 
-    def __init__(self, groups: List[ModuleGroup], root: nn.Module, comm, *, prefetch_numel: int) -> None:
+    def __init__(self, groups: List[ModuleGroup], root: nn.Module, comm, *, prefetch_numel: int,
+                 weight_quantization=None, secondary_partition: bool = False) -> None:
         self.groups = groups
+        # ZeRO++ ([Note: ZeRO++ in a shard] in param_shard.py): (bits, block) for the
+        # gathers that feed gradients; whether a forward's release keeps a node slice.
+        self.weight_quantization = weight_quantization
+        self.secondary_partition = secondary_partition
         self.by_module: Dict[int, ModuleGroup] = {id(m): g for g in groups for m in g.members}
         self.root_group = self.by_module.get(id(root))
         self.comm = comm
@@ -223,8 +228,25 @@ class ParameterGatherer:
         return True
 
     # -- helpers ------------------------------------------------------------------------
+    def _quantization(self):
+        """qwZ applies to the gathers whose values feed gradients: a grad-enabled forward
+        and backward.  Evaluation forwards, keep_gathered() and gathered_parameters()
+        gather exact values."""
+        if self.weight_quantization is not None and (self.in_backward or torch.is_grad_enabled()):
+            return self.weight_quantization
+        return None
+
+    def _keeps_secondary(self) -> bool:
+        """hpZ: a release in a grad-enabled forward keeps the node slice for backward."""
+        return self.secondary_partition and torch.is_grad_enabled() and not self.in_backward
+
+    def drop_secondaries(self) -> None:
+        for g in self.groups:
+            for u in g.units:
+                u.params_store.drop_secondary()
+
     def ensure_gathered(self, group: ModuleGroup) -> None:
-        group.start_gather(self.comm)
+        group.start_gather(self.comm, self._quantization())
         group.wait()
 
     def _prefetch(self, candidates) -> None:
@@ -238,7 +260,7 @@ class ParameterGatherer:
             if i > 0 and g.numel > budget:
                 break
             if not g.gathered:
-                g.start_gather(self.comm)
+                g.start_gather(self.comm, self._quantization())
             budget -= g.numel
             if budget <= 0:
                 break
@@ -278,7 +300,7 @@ class ParameterGatherer:
                 if not self._order_frozen:
                     self.released_last = group
                 self._keep_if_backward_starts_with(group)
-            group.release()
+            group.release(self._keeps_secondary())
         if tensors:
             fired = [False]
 
@@ -328,7 +350,7 @@ class ParameterGatherer:
             if grad:
                 if g.gathered:
                     self._keep_if_backward_starts_with(g)
-                g.release()
+                g.release(self._keeps_secondary())
             else:
                 g.unpin_and_release()
 
@@ -339,6 +361,7 @@ class ParameterGatherer:
         for g in self.groups:
             if g.pinned or g.kept_for_backward:
                 g.unpin_and_release()
+        self.drop_secondaries()
 
     # -- backward -----------------------------------------------------------------------
     def pre_backward(self, group: ModuleGroup) -> None:
@@ -365,6 +388,7 @@ class ParameterGatherer:
             g.active = False
             g.in_backward_members = 0
             g.unpin_and_release()
+        self.drop_secondaries()
         self.in_backward = False
         self.awaiting_backward = False
 

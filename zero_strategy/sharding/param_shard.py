@@ -24,6 +24,24 @@ Every value that enters or leaves a shard goes through :meth:`ParamShard.write`
 dicts, checkpoints, pretrained loading, deferred initialisation and
 ``gathered_parameters`` all use these, so there is one place where the copies
 (full, shard, master) are kept consistent.
+
+[Note: ZeRO++ in a shard]
+Two of ZeRO++'s three changes live here, because they change how a unit is gathered,
+not when (the gatherer decides that, and asks for them):
+
+* hpZ (``secondary_partition``): a unit released at the end of a grad-enabled
+  forward keeps ``secondary``, its node's slice of the gathered buffer (one
+  ``ranks_per_node``-th of the unit, this rank's local-rank chunk).  Its next gather
+  (in backward) copies it back and all-gathers over the node communicator only; the
+  secondary is dropped then, by any write to the shard, and at the end of backward
+  or of the step, so it never outlives the values it copied.  Backward therefore
+  computes with exactly the values forward used.
+* qwZ (``weight_quantization``): a gather asked to quantize sends this rank's values
+  as block-quantized integers with fp32 scales (communication/quantize.py) and every
+  rank, this one included, dequantizes every chunk, so all ranks hold the same
+  weights.  ``exact`` says whether ``full`` holds the shard's values unchanged;
+  :meth:`adopt_gathered` refuses a quantized buffer (it would write the rounding into
+  the master).
 """
 from __future__ import annotations
 
@@ -33,6 +51,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from ..communication import quantize as Q
 from .layout import FlatLayout
 
 
@@ -86,6 +105,9 @@ class ParamShard:
         self.device = device
         self.lo, self.hi = layout.shard_range(shard_index)
         self._gather_work = None
+        self.secondary: Optional[torch.Tensor] = None  # hpZ ([Note: ZeRO++ in a shard])
+        self.secondary_range: Optional[Tuple[int, int]] = None  # set by enable_secondary
+        self.exact = True  # ``full`` (when gathered) holds the unquantized values
         n = layout.shard_numel
         pin = master_device != device and device.type == "cuda"
         self.master: Optional[torch.Tensor] = None
@@ -142,6 +164,7 @@ class ParamShard:
         in every copy this rank keeps of them: the whole buffer (if kept), the shard,
         the master.  ``values`` may cover more than this rank's slice; the rest is ignored."""
         values = values.reshape(-1).detach()
+        self.secondary = None
         off = self.layout.offsets[i] + start
         end = off + values.numel()
         if self.whole:
@@ -165,6 +188,7 @@ class ParamShard:
         """Replace this rank's whole slice (a resumed shard); whole units must also
         have every other rank's part rewritten, by :meth:`write` or an all-gather."""
         values = values.reshape(-1)
+        self.secondary = None
         if self.master is not None:
             self.master.copy_(values)
         if self.shard is not None:
@@ -175,12 +199,20 @@ class ParamShard:
     def refresh_compute_copy(self) -> None:
         """After the optimizer updated the master: bring the compute-dtype shard in line
         (partitioned units without one cast at the next gather)."""
+        self.secondary = None
         if self.master is not None and self.shard is not None:
             self.shard.copy_(self.master)
 
     def adopt_gathered(self) -> None:
         """``full`` was changed while gathered (and agreed on by every rank): make this
         rank's shard and master match it."""
+        if not self.exact:
+            raise RuntimeError(
+                "these parameters are gathered with quantized values (weight_quantization, inside a training forward "
+                "or backward): changing them here would store the rounding in the fp32 master. Modify parameters "
+                "outside forward/backward (after step() or zero_grad())."
+            )
+        self.secondary = None
         own = self.full[self.lo : self.hi]
         if self.shard is not None and not self.whole:
             self.shard.copy_(own)
@@ -192,19 +224,45 @@ class ParamShard:
         return flat[off : off + n].view(self.shapes[i])
 
     # -- gathering (partitioned units) ---------------------------------------------------------
-    def start_gather(self, comm, label: str) -> None:
+    def start_gather(self, comm, label: str, quantization: Optional[Tuple[int, int]] = None) -> None:
         """Grow the full buffer, write this rank's values into its own chunk (the 16-bit
         shard, or the master cast straight from fp32) and gather in place: the unit's own
         buffer is all a gather in flight holds, with no shard-sized temporary and no
         staging (on gloo the header travels beside it, [Note: headers beside in-place
-        gathers] in collectives.py)."""
+        gathers] in collectives.py).  With a secondary partition kept from forward the
+        gather stays inside the node; ``quantization`` ``(bits, block)``: qwZ
+        ([Note: ZeRO++ in a shard])."""
         if self.state is not ShardState.SHARDED:
             return
         self._allocate_full()
-        own = self.full.data[self.lo : self.hi]  # through ``.data``: no autograd version bump
-        own.copy_(self.shard if self.shard is not None else self.master)  # a host shard is copied over here
-        self._gather_work = comm.all_gather(self.full.data, own, async_op=True, label=label)
+        if self.secondary is not None:
+            lo, hi = self.secondary_range
+            own = self.full.data[lo:hi]
+            own.copy_(self.secondary)
+            self.secondary = None
+            self._gather_work = comm.node_comm.all_gather(self.full.data, own, async_op=True,
+                                                          label=f"{label} (secondary partition)")
+            self.state = ShardState.GATHERING  # ``exact`` stays what the forward gather made it
+            return
+        src = self.shard if self.shard is not None else self.master
+        if quantization is not None and comm.world_size > 1:
+            self._gather_work = _QuantizedGather(self, src, comm, label, *quantization)
+            self.exact = False
+        else:
+            own = self.full.data[self.lo : self.hi]  # through ``.data``: no autograd version bump
+            own.copy_(src)  # a host shard is copied over here
+            self._gather_work = comm.all_gather(self.full.data, own, async_op=True, label=label)
+            self.exact = True
         self.state = ShardState.GATHERING
+
+    def enable_secondary(self, local_rank: int, ranks_per_node: int) -> None:
+        """hpZ: this rank keeps chunk ``local_rank`` of ``ranks_per_node`` of the gathered
+        unit between forward and backward."""
+        n = self.layout.padded_numel // ranks_per_node
+        self.secondary_range = (local_rank * n, (local_rank + 1) * n)
+
+    def drop_secondary(self) -> None:
+        self.secondary = None
 
     def _allocate_full(self) -> None:
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
@@ -217,10 +275,15 @@ class ParamShard:
             if self._after_gather is not None:
                 self._after_gather()
 
-    def release(self) -> None:
+    def release(self, keep_secondary: bool = False) -> None:
+        """Free the gathered buffer; ``keep_secondary`` (hpZ, a backward will follow):
+        keep this rank's node chunk of it first."""
         if self.whole or self.state is ShardState.SHARDED:
             return
         self.finish_gather()
+        if keep_secondary and self.secondary_range is not None:
+            lo, hi = self.secondary_range
+            self.secondary = self.full.data[lo:hi].clone()
         self._free_full()
 
     on_free = None  # stage 3: puts the parameters' guard back before their values go (guard.py)
@@ -237,9 +300,47 @@ class ParamShard:
     def bytes(self) -> dict:
         params = _nbytes(self.full) + (0 if self.whole else _nbytes(self.shard))
         parts = {"parameters": params, "master_weights": _nbytes(self.master)}
+        if self.secondary_range is not None:  # hpZ: reported beside the paper's terms
+            parts["secondary_parameters"] = _nbytes(self.secondary)
         if self._shard_on_disk:
             parts["offloaded"] = _nbytes(self.shard)  # counted in ``parameters``, kept in a file
         return parts
+
+
+class _QuantizedGather:
+    """qwZ's gather of one unit: this rank's values quantized into its rows of a payload
+    and a scales buffer, both gathered in place; ``wait`` dequantizes every rank's
+    chunk (its own too) into ``full`` and frees the two buffers."""
+
+    # Rows dequantized at a time: bounds the fp32 temporary beside ``full``.
+    ROWS_ELEMENTS = 1 << 22
+
+    def __init__(self, shard: ParamShard, src: torch.Tensor, comm, label: str, bits: int, block: int) -> None:
+        self.shard, self.bits, self.block = shard, bits, block
+        n, c = comm.world_size, shard.layout.shard_numel
+        self.q_row, self.s_row = Q.payload_bytes(c, block, bits), Q.blocks_for(c, block)  # one chunk each
+        self.q = torch.empty(n * self.q_row, dtype=torch.uint8, device=shard.device)
+        self.s = torch.empty(n * self.s_row, dtype=torch.float32, device=shard.device)
+        r = comm.rank
+        Q.quantize_into(src.to(shard.device), self.q[r * self.q_row : (r + 1) * self.q_row],
+                        self.s[r * self.s_row : (r + 1) * self.s_row], block, bits)
+        self.work = comm.all_gather_quantized(self.q, self.q[r * self.q_row : (r + 1) * self.q_row], self.s,
+                                              self.s[r * self.s_row : (r + 1) * self.s_row],
+                                              numel=shard.layout.padded_numel, bits=bits, label=label)
+
+    def wait(self) -> bool:
+        self.work.wait()
+        c = self.shard.layout.shard_numel
+        n = self.q.numel() // self.q_row
+        rows = self.shard.full.data.view(n, c)
+        step = max(1, self.ROWS_ELEMENTS // max(c, 1))
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            values = Q.dequantize(self.q[a * self.q_row : b * self.q_row], self.s[a * self.s_row : b * self.s_row],
+                                  (b - a) * self.s_row * self.block, self.block, self.bits)
+            rows[a:b].copy_(values.view(b - a, self.s_row * self.block)[:, :c])
+        self.q = self.s = None
+        return True
 
 
 def whole_values(shard: ParamShard, comm, label: str) -> torch.Tensor:

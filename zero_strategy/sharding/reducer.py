@@ -26,6 +26,8 @@ from typing import Deque, Tuple
 
 import torch
 
+from ..communication.hierarchical import TwoLevelReduceScatter
+
 
 class GradientReducer:
     """Launches each trainable unit's gradient collective in the fixed order, keeping at
@@ -77,6 +79,9 @@ class GradientReducer:
             work = self.comm.all_reduce(full, async_op=True, label=label, rider=rider,
                                         room_after=grads.reduction_input_has_room)
             out = full
+        elif self.comm.gradient_quantization is not None:  # qgZ ([Note: two-level reduction] in hierarchical.py)
+            out = grads.reduction_output()
+            work = TwoLevelReduceScatter(self.comm, out, full, *self.comm.gradient_quantization, label)
         else:
             out = grads.reduction_output()
             work = self.comm.reduce_scatter(out, full, async_op=True, label=label, scratch=grads.reduction_input_is_scratch,
