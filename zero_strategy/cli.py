@@ -98,6 +98,8 @@ def _add_estimate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-per-rank", type=parse_bytes, default=None, metavar="BYTES",
                         help="disk one rank may fill under nvme_path; with --memory-per-rank, also limits the "
                              "disk-offload rows")
+    parser.add_argument("--ranks-per-node", type=parse_count, default=8, metavar="L",
+                        help="ranks (GPUs) per node, for the cross-node traffic table (default 8)")
 
 
 def _run_estimate(args: argparse.Namespace) -> int:
@@ -119,7 +121,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
         params=args.params, world_sizes=_world_sizes(args.world_size), precision=args.precision,
         optimizer=args.optimizer, overhead_args=overhead_args, grow_units_with_model=not args.num_units,
         inflight_bytes=defaults.nvme_inflight_bytes, memory_per_rank=args.memory_per_rank,
-        disk_per_rank=args.disk_per_rank))
+        disk_per_rank=args.disk_per_rank, ranks_per_node=max(1, args.ranks_per_node)))
     return 0
 
 

@@ -5,7 +5,8 @@ For each world size: the paper's formula per stage, what this implementation hol
 (overheads, savings, what fits a budget), the offload configurations (where DeepSpeed's
 ``estimate_zero{2,3}_model_states_mem_needs_all_live`` prints per-GPU and per-CPU
 memory: here device, host and disk per rank), and with a budget the largest model
-each configuration fits.
+each configuration fits.  For world sizes of more than one node: what a rank sends per
+step and how much of it crosses nodes, plain and with ZeRO++ (estimate_traffic.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Callable, List, Optional, Sequence
 
 from .estimate import (OVERHEAD_DESCRIPTIONS, SAVING_DESCRIPTIONS, STAGE_NAMES, estimate, largest_fitting,
                        offload_estimate, optimizer_bytes_per_param)
+from .estimate_traffic import step_traffic
 from .units import PAPER_GB_NOTE, gib, gib_number
 
 WIDTH = 100  # every line fits a terminal of this width
@@ -40,6 +42,7 @@ class EstimateRequest:
     inflight_bytes: int
     memory_per_rank: Optional[int] = None
     disk_per_rank: Optional[int] = None
+    ranks_per_node: int = 8
 
 
 def print_report(req: EstimateRequest, out: Callable[[str], None] = print) -> None:
@@ -67,7 +70,7 @@ def report_lines(req: EstimateRequest, n: int) -> List[str]:
         (_stage(s), gib_number(r.total_with_overheads), gib_number(r.held_during_step),
          gib_number(r.held_between_steps)) + ((_fits(r.held_during_step, budget),) if budget is not None else ())
         for s, r in enumerate(results)])
-    lines += _overheads(results) + _savings(results) + _offload(req, n)
+    lines += _overheads(results) + _savings(results) + _offload(req, n) + _traffic(req, n)
     if budget is not None:
         lines += _largest(req, n)
     return lines
@@ -134,6 +137,30 @@ def _offload(req: EstimateRequest, n: int) -> List[str]:
                     + ((_fits(r.memory, budget),) if budget is not None else ())
                     + ((_fits(r.disk, disk) if optimizer_to == "nvme" else "-",) if disk is not None else ()))
     return lines + _table(rows, right_from=2)
+
+
+# (label, stage, hpZ, qwZ bits, qgZ bits): the rows of the traffic table.
+TRAFFIC_ROWS = (("0 baseline", 0, False, None, None), ("1 P_os", 1, False, None, None), ("2 P_os+g", 2, False, None, None),
+                ("3 P_os+g+p", 3, False, None, None), ("3 + hpZ", 3, True, None, None),
+                ("3 + hpZ + qwZ int8 + qgZ int4", 3, True, 8, 4))
+
+
+def _traffic(req: EstimateRequest, n: int) -> List[str]:
+    l = req.ranks_per_node
+    if n <= l or n % l:
+        why = "one node" if n <= l else f"{l} does not divide N"
+        return _say(f"Cross-node traffic: none ({why}; --ranks-per-node {l}).")
+    lines = _say(f"Per training step, GiB each rank sends, {n // l} nodes x {l} ranks (--ranks-per-node); "
+                 "cross-node: to ranks on other nodes; hpZ memory: its secondary partition, held from forward "
+                 "to backward (block 256):")
+    rows = [("configuration", "sent", "cross-node", "vs stage 3", "hpZ memory")]
+    plain = step_traffic(req.params, n, l, 3, req.precision).cross_node
+    for label, stage, hpz, wbits, gbits in TRAFFIC_ROWS:
+        t = step_traffic(req.params, n, l, stage, req.precision, secondary_partition=hpz, weight_bits=wbits,
+                         gradient_bits=gbits)
+        rows.append((label, gib_number(t.sent), gib_number(t.cross_node), f"{t.cross_node / plain:.2f}x",
+                     gib_number(t.extra_memory) if hpz else "-"))
+    return lines + _table(rows)
 
 
 def _offload_name(optimizer_to: str, param_to: str) -> str:

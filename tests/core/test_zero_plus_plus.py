@@ -247,3 +247,18 @@ def test_direct_exchange_bytes_by_hand():
     node = GroupPlacement.of(topo, [0, 1, 2, 3], 1)
     assert sent_bytes("all_gather", 800, node) == (600, 0)
     assert sent_bytes("broadcast", 800, world, is_source=False) == (0, 0)
+
+
+def test_estimated_traffic_by_hand():
+    from zero_strategy.estimate_traffic import step_traffic
+
+    psi = 1_000_000  # 2 nodes x 2 ranks, fp32: a world collective sends 3/4 of S, 2/4 across
+    plain = step_traffic(psi, 4, 2, 3, "fp32")
+    assert (plain.sent, plain.cross_node) == (3 * 4e6 * 3 / 4, 3 * 4e6 / 2)
+    hpz = step_traffic(psi, 4, 2, 3, "fp32", secondary_partition=True)
+    assert hpz.cross_node == 2 * 4e6 / 2 and hpz.extra_memory == 4e6 / 2
+    both = step_traffic(psi, 4, 2, 3, "fp32", secondary_partition=True, weight_bits=8, gradient_bits=4, block=256)
+    # forward gather at 1 + 4/256 bytes, half across; gradients: Ψ/2 elements, half sent across at 0.5 + 4/256
+    assert both.cross_node == pytest.approx(psi * (1 + 4 / 256) / 2 + psi / 2 / 2 * (0.5 + 4 / 256))
+    assert both.cross_node < 0.25 * plain.cross_node
+    assert step_traffic(psi, 4, 4, 3, "fp32").cross_node == 0
