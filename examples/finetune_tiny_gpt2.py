@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py --stage 2 --precision bf16 --accum 2 --clip 1.0
     torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py --save /tmp/tiny-gpt2
     torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py --min-gather-numel 0   # one gather per block
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
+        examples/finetune_tiny_gpt2.py   # the same on each of 2 nodes: docs/multinode.md
     python examples/finetune_tiny_gpt2.py            # one process, no process group
 
 The model is built from a ``GPT2Config`` (nothing is downloaded).  Every sequence is
@@ -134,10 +136,12 @@ def main() -> None:
     if args.min_gather_numel is not None:
         zero_config["min_gather_numel"] = args.min_gather_numel
     engine = zero_strategy.initialize(model, optimizer, zero_config)
+    setup_line = engine.describe()  # on several nodes it says how many, and where it learnt that
     if is_main:
         print(f"GPT-2: {num_params:,} parameters, world size {world_size}, device {device}, "
               f"stage {args.stage}, precision {args.precision}, accum {args.accum}, "
               f"clip {args.clip or 'off'}, {len(engine.units)} flat units")
+        print(setup_line)
 
     # -- data: each rank reads its own share -----------------------------------------
     dataset = make_dataset(num_sequences=2048, seed=1234)
