@@ -172,6 +172,11 @@ def render(args, summaries, sim_rows):
             simulate_scale.markdown(sim_rows).rstrip(),
             "",
         ]
+    zpp = os.path.join(args.output_dir, "zero_plus_plus", "summary.md")
+    if os.path.exists(zpp):
+        # Written by benchmarks/zero_plus_plus_page.py with its own page: kept across re-renders.
+        with open(zpp, encoding="utf-8") as f:
+            lines += [f.read().replace("{rel}", rel).strip(), ""]
     with open(args.page, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     return args.page
