@@ -6,6 +6,8 @@
     .venv/bin/python examples/lightning/finetune_gpt2.py zero3 --ckpt-dir /tmp/gpt2-ckpt --max-steps 60 --resume last
     .venv/bin/python examples/lightning/finetune_gpt2.py ddp                 # the same run with DDP, to compare
     .venv/bin/python examples/lightning/finetune_gpt2.py zero3 --accelerator gpu --devices 4 --precision bf16-mixed
+    NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 .venv/bin/python examples/lightning/finetune_gpt2.py --num-nodes 2   # on node0,
+    NODE_RANK=1 MASTER_ADDR=node0 MASTER_PORT=29500 .venv/bin/python examples/lightning/finetune_gpt2.py --num-nodes 2   # on node1
 
 Nothing here imports zero_strategy: ``strategy="zero3"`` is registered at interpreter
 start by the package's start-up hook (see docs/lightning.md).  Lightning's launcher
@@ -98,7 +100,10 @@ def main():
     parser.add_argument("strategy", nargs="?", default="zero3", help="zero1, zero2, zero3, zero, ddp, ... (default zero3)")
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2, help="processes per node")
+    parser.add_argument("--num-nodes", type=int, default=1,
+                        help="Trainer(num_nodes=...): start the script once per node with NODE_RANK, MASTER_ADDR and "
+                             "MASTER_PORT set (docs/multinode.md)")
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per process")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
@@ -115,7 +120,8 @@ def main():
     if args.ckpt_dir:
         callbacks.append(L.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_train_steps=20, save_last=True))
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, precision=args.precision,
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
+        precision=args.precision,
         max_steps=args.max_steps, accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
         val_check_interval=20, limit_val_batches=4, logger=False, enable_checkpointing=bool(args.ckpt_dir),
         callbacks=callbacks, log_every_n_steps=5,

@@ -76,6 +76,19 @@ def base_config(stage: Optional[int], config: Any, options: Mapping[str, Any]):
     return cfg.replace(**changes) if changes else cfg
 
 
+def with_node_layout(config, num_nodes: int, num_processes: int):
+    """``Trainer(num_nodes=N, devices=D)`` / ``Fabric(num_nodes=N, devices=D)`` -> the
+    engine's ``ranks_per_node`` ([Note: node structure] in
+    zero_strategy/communication/topology.py).  Lightning's own launcher sets no
+    ``LOCAL_WORLD_SIZE``, so on more than one node the engine would otherwise see one
+    node holding every rank; Lightning numbers ranks node by node
+    (``node_rank * D + local_rank``), so each node holds ``D`` consecutive ranks.  A
+    ``ranks_per_node`` the user set (config, option) is kept; one node changes nothing."""
+    if num_nodes > 1 and num_processes > 0 and config.ranks_per_node is None:
+        return config.replace(ranks_per_node=num_processes)
+    return config
+
+
 def with_config_options(cls: type) -> type:
     """Give ``cls.__init__`` a signature that names every ZeroConfig field.
 

@@ -44,6 +44,7 @@ from ._common import (
     state_dict_keys,
     strip_private,
     with_config_options,
+    with_node_layout,
 )
 from ._fabric_files import OBJECTS_KEY as _OBJECTS_KEY
 from ._fabric_files import load_single_file
@@ -158,7 +159,7 @@ class ZeroFabricStrategy(ZeroProcessGroupMixin, ParallelStrategy, _Sharded):
     # -- model and optimizer ---------------------------------------------------------
     def _config(self):
         precision = engine_precision(self.precision.precision, self._base_config.precision)
-        return self._base_config.replace(precision=precision)
+        return with_node_layout(self._base_config.replace(precision=precision), self.num_nodes, self.num_processes)
 
     def _remember(self, engine):
         rank_zero_info(setup_line(engine))  # a new engine: say once, on rank 0, what runs

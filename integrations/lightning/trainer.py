@@ -56,6 +56,7 @@ from ._common import (
     split_client_state,
     strip_private,
     with_config_options,
+    with_node_layout,
 )
 from ._messages import install_precision_note
 from ._process_group import ZeroProcessGroupMixin
@@ -239,7 +240,7 @@ class ZeroStrategy(ZeroProcessGroupMixin, ParallelStrategy):
     # -- model and optimizer ---------------------------------------------------------
     def _resolved_config(self):
         precision = engine_precision(self.precision_plugin.precision, self._base_config.precision)
-        return self._base_config.replace(precision=precision)
+        return with_node_layout(self._base_config.replace(precision=precision), self.num_nodes, self.num_processes)
 
     def model_to_device(self) -> None:
         module = self.lightning_module
