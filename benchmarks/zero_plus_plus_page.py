@@ -169,6 +169,14 @@ def measured_section(cross) -> list:
     ]
     for c in cross["configs"]:
         lines.append(X.markdown_config(cross, c))
+    plans = []
+    for c in cross["configs"]:
+        plain = next((r for r in c["rows"] if r["system"] == "zero3"), None)
+        plan = plain and plain["config"].get("plan")
+        if plan and c["precision"] == cross["configs"][0]["precision"]:
+            plans.append(f"{c['model']}: {plan['partitioned_units']} partitioned units holding "
+                         f"{plan['partitioned_numel'] / c['psi']:.2%} of Ψ, {plan['whole_numel']:,} elements kept "
+                         "whole on every rank")
     gathers = []
     for c in cross["configs"]:
         plain = next((r for r in c["rows"] if r["system"] == "zero3"), None)
@@ -182,6 +190,8 @@ def measured_section(cross) -> list:
         "",
         "Reading it:",
         "",
+        "- The default plan (persistence threshold 1e5) partitions the blocks: "
+        + ("; ".join(plans) if plans else "(plan not recorded)") + ".",
         "- Plain stage 3's all-gather volume is " + ", ".join(gathers) + " rather than 2Ψ (the other "
         "stage-3 systems gather the same elements): the tied embedding sits in the root unit, gathered once "
         "and kept from forward into backward; every block is gathered twice.",
@@ -224,6 +234,11 @@ def loss_section(loss, png_rel) -> list:
         "```",
         "",
         f"![loss curves]({png_rel})",
+        "",
+        "Left: training loss per step (thin, mean over the 4 ranks' micro-batches) and its "
+        f"{loss['smooth']}-step moving average (thick); the shaded band is, at each step, the range of the "
+        "plain seeds' moving averages: the run-to-run spread the quantized run (green) is judged against. "
+        "Right: the held-out loss at each evaluation, plain seeds in blue, the quantized run in green.",
         "",
         loss_table(loss),
     ]
@@ -288,7 +303,13 @@ def simulation_section(sim, args, png_rel, cross) -> list:
         lines.append(f"- check, {Z.SYSTEM_LABELS[c['system']]}: `sent_bytes` on these gives {c['intra']:,.0f} / "
                      f"{c['cross']:,.0f} bytes intra / cross per rank; measured {c['measured_intra']:,.0f} / "
                      f"{c['measured_cross']:,.0f}")
-    lines += ["", f"![simulated step time]({png_rel})", "", Z.markdown(sim["rows"], args, src), ""]
+    lines += ["", f"![simulated step time]({png_rel})", "",
+              "One panel per model (rows) and NIC bandwidth per GPU (columns); x: nodes of 8 GPUs (weak "
+              "scaling: the same tokens per GPU at every size); solid lines: step time with no overlap, dashed: "
+              "with full overlap; dotted grey: compute alone; x: model states above the GPU's memory. The "
+              "tables below give the same numbers, then each system's bytes per GPU per step on the NIC and "
+              "on NVLink at the smallest and largest node count.", "",
+              Z.markdown(sim["rows"], args, src), ""]
     return lines
 
 

@@ -204,3 +204,20 @@ def test_measurement_file_drives_the_simulation_and_the_page(tmp_path):
     assert (data / "loss_curves.png").stat().st_size > 0
     assert (data / "simulated_step_time.png").stat().st_size > 0
     assert "{rel}/zero_plus_plus.md" in (data / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (4, 8)])
+def test_nominal_bytes_agree_with_the_engines_traffic_estimate(nodes, per_node):
+    """The design's bytes, counted by sent_bytes, equal zero_strategy.estimate_traffic's
+    cross-node bytes (two implementations of the same accounting)."""
+    from zero_strategy.estimate_traffic import step_traffic
+
+    psi = 1 << 24
+    options = {"zero3": {}, "zero3_hpz": {"secondary_partition": True},
+               "zero3_zpp": {"secondary_partition": True, "weight_bits": 8, "gradient_bits": 4}}
+    for system, kwargs in options.items():
+        ops = [dict(o, bytes_per_param=o["bytes_per_param"] / (per_node if o["level"] == "cross" else 1))
+               for o in Z.nominal_ops()[system]]
+        _, cross = Z.reapply(ops, psi, nodes, per_node)
+        want = step_traffic(psi, nodes * per_node, per_node, 3, "bf16", **kwargs)
+        assert cross == pytest.approx(want.cross_node, rel=1e-6), system
