@@ -6,6 +6,8 @@
     torchrun --nproc-per-node 2 examples/finetune_tiny_gpt2.py --min-gather-numel 0   # one gather per block
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint node0:29500 \
         examples/finetune_tiny_gpt2.py   # the same on each of 2 nodes: docs/multinode.md
+    torchrun --nproc-per-node 4 examples/finetune_tiny_gpt2.py --ranks-per-node 2 --secondary-partition node \
+        --weight-quantization int8 --gradient-quantization int4   # ZeRO++ on 2 simulated nodes
     python examples/finetune_tiny_gpt2.py            # one process, no process group
 
 The model is built from a ``GPT2Config`` (nothing is downloaded).  Every sequence is
@@ -54,6 +56,15 @@ def parse_args():
                         help="stage 3: gather sibling blocks together until one gather holds N elements "
                              "(default: ZeroConfig's 1,000,000, which gathers this small model as one "
                              "piece; 0 = one gather per GPT2Block)")
+    parser.add_argument("--ranks-per-node", type=int, default=None, metavar="L",
+                        help="ranks per node (default: what the launcher says, e.g. torchrun's LOCAL_WORLD_SIZE); "
+                             "on one host, simulate nodes of L ranks (docs/multinode.md)")
+    parser.add_argument("--secondary-partition", choices=["node"], default=None,
+                        help="ZeRO++ hpZ (stage 3): backward gathers inside the node")
+    parser.add_argument("--weight-quantization", choices=["int8"], default=None,
+                        help="ZeRO++ qwZ (stage 3): int8 weights in training all-gathers")
+    parser.add_argument("--gradient-quantization", choices=["int8", "int4"], default=None,
+                        help="ZeRO++ qgZ (stages 2-3): quantized gradient exchange between nodes")
     parser.add_argument("--save", metavar="DIR", default=None,
                         help="save the consolidated model with save_pretrained and reload it")
     parser.add_argument("--seed", type=int, default=0)
@@ -135,6 +146,9 @@ def main() -> None:
     }
     if args.min_gather_numel is not None:
         zero_config["min_gather_numel"] = args.min_gather_numel
+    for key in ("ranks_per_node", "secondary_partition", "weight_quantization", "gradient_quantization"):
+        if getattr(args, key) is not None:
+            zero_config[key] = getattr(args, key)
     engine = zero_strategy.initialize(model, optimizer, zero_config)
     setup_line = engine.describe()  # on several nodes it says how many, and where it learnt that
     if is_main:
@@ -265,6 +279,9 @@ def report_comm(comm, num_params: int, summary: dict, min_gather_numel: int, arg
     volume = comm.paper_volume
     print(f"  paper_volume     {volume:,} = {volume / num_params:.2f} Ψ, where Ψ = {num_params:,} "
           "(the parameter count)")
+    if comm.cross_node_bytes:
+        print(f"  bytes sent by rank 0: {comm.intra_node_bytes:,} inside its node, {comm.cross_node_bytes:,} to "
+              "other nodes")
     if args.stage < 3:
         say(f"The paper's stages 0-2 move 2Ψ = {2 * num_params:,}: gradients reduced (an all-reduce counts "
             "2x), parameters all-gathered.")

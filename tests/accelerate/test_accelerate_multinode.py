@@ -1,7 +1,9 @@
-"""``accelerate launch`` with ``num_machines: 2`` (issue #33): two launches on this host,
-``--machine_rank 0`` and ``1`` with one ``main_process_ip``/``main_process_port`` and 4
-processes in all, run the unchanged examples/accelerate/train_loop.py under a
-``zero_config:`` section exactly as one machine of 4 processes does: the same losses,
+"""``accelerate launch`` with ``num_machines: 2`` (issue #33): two launches on this host of
+examples/accelerate/two_machines_zero3.yaml (``--machine_rank 0`` and ``1``, one
+``main_process_ip``/``main_process_port``, 4 processes in all, a ``zero_config:``
+section), as docs/multinode.md runs them, train the unchanged
+examples/accelerate/train_loop.py exactly as examples/accelerate/zero3.yaml with 4
+processes on one machine does: the same losses,
 gradient norms, learning rates and weight checksums, step by step.  Accelerate starts
 each machine's processes through torchrun, whose LOCAL_WORLD_SIZE tells the engine the
 node structure (its start-up line says 2 nodes x 2 ranks).
@@ -23,12 +25,12 @@ import pytest
 from processes import run_together
 
 REPO = Path(__file__).resolve().parents[2]
-LOOP = REPO / "examples" / "accelerate" / "train_loop.py"
+EXAMPLES = REPO / "examples" / "accelerate"
+LOOP = EXAMPLES / "train_loop.py"
 PY = sys.executable
 ACCELERATE = str(Path(PY).with_name("accelerate"))
 TIMEOUT = 400
 LOOP_ARGS = ["--steps", "4", "--accum", "2", "--clip", "0.5", "--track-weights"]
-SECTION = "zero_config:\n  zero_stage: 3\n  param_persistence_threshold: 0\n"
 
 
 def _free_port() -> int:
@@ -57,31 +59,24 @@ def _launcher_head(env) -> list:
     return [PY, "-m", "zero_strategy.integrations.accelerate.run", "launch"]
 
 
-def _config(path: Path, machines: int) -> Path:
-    text = ("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\n"
-            f"num_machines: {machines}\nnum_processes: 4\nmachine_rank: 0\n")
-    if machines > 1:
-        text += f"main_process_ip: 127.0.0.1\nmain_process_port: {_free_port()}\n"
-    text += "mixed_precision: 'no'\nuse_cpu: false\n" + SECTION
-    path.write_text(text)
-    return path
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """The documented configs (docs/multinode.md): examples/accelerate/two_machines_zero3.yaml
+    launched twice, and examples/accelerate/zero3.yaml with 4 processes on one machine;
+    free ports instead of the files' fixed one."""
     tmp = tmp_path_factory.mktemp("accelerate_nodes")
     env = _env()
     head = _launcher_head(env)
     result = {}
-    for name, machines in (("2 machines", 2), ("1 machine", 1)):
+    launches = {"2 machines": [["--config_file", str(EXAMPLES / "two_machines_zero3.yaml"), "--machine_rank", str(k)]
+                               for k in (0, 1)],
+                "1 machine": [["--config_file", str(EXAMPLES / "zero3.yaml"), "--num_processes", "4"]]}
+    for name, launchers in launches.items():
         folder = tmp / name.replace(" ", "_")
         folder.mkdir()
-        config = _config(folder / "config.yaml", machines)
-        cmds = []
-        for rank in range(machines):
-            extra = ["--machine_rank", str(rank)] if machines > 1 else ["--main_process_port", str(_free_port())]
-            cmds.append([*head, "--config_file", str(config), *extra, str(LOOP), *LOOP_ARGS,
-                         "--out", str(folder / "out.json")])
+        port = str(_free_port())
+        cmds = [[*head, *args, "--main_process_port", port, str(LOOP), *LOOP_ARGS, "--out", str(folder / "out.json")]
+                for args in launchers]
         procs = run_together(cmds, cwd=str(folder), envs=[env] * len(cmds), timeout=TIMEOUT)
         for p in procs:
             assert p.returncode == 0, f"{p.args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
