@@ -30,7 +30,8 @@ LOOP = EXAMPLES / "train_loop.py"
 PY = sys.executable
 ACCELERATE = str(Path(PY).with_name("accelerate"))
 TIMEOUT = 400
-LOOP_ARGS = ["--steps", "4", "--accum", "2", "--clip", "0.5", "--track-weights"]
+LOOP_ARGS = ["--steps", "6", "--accum", "2", "--clip", "1.0"]  # docs/multinode.md's
+TRACK = ["--track-weights"]  # a checksum of the weights per step; changes nothing the loop prints
 
 
 def _free_port() -> int:
@@ -75,7 +76,7 @@ def runs(tmp_path_factory):
         folder = tmp / name.replace(" ", "_")
         folder.mkdir()
         port = str(_free_port())
-        cmds = [[*head, *args, "--main_process_port", port, str(LOOP), *LOOP_ARGS, "--out", str(folder / "out.json")]
+        cmds = [[*head, *args, "--main_process_port", port, str(LOOP), *LOOP_ARGS, *TRACK, "--out", str(folder / "out.json")]
                 for args in launchers]
         procs = run_together(cmds, cwd=str(folder), envs=[env] * len(cmds), timeout=TIMEOUT)
         for p in procs:
@@ -90,7 +91,7 @@ def test_two_machines_train_like_one(runs):
     got, ref = runs["2 machines"]["out"], runs["1 machine"]["out"]
     assert got["num_processes"] == ref["num_processes"] == 4
     assert got["accelerator_class"] == ref["accelerator_class"] == "ZeroAccelerator"
-    assert len(got["losses"]) == 4
+    assert len(got["losses"]) == 6
     for key in ("losses", "grad_norms", "lrs", "checksums", "skipped"):
         assert got[key] == ref[key], (key, got[key], ref[key])
 
@@ -103,3 +104,21 @@ def test_the_engine_sees_the_machines(runs):
     assert "ZeRO stage 3" not in machine1  # the main process is on machine 0
     (one,) = runs["1 machine"]["output"]
     assert "zero_strategy: ZeRO stage 3 on 4 rank(s): " in one  # one node: nothing about nodes
+
+
+@pytest.mark.slow
+def test_docs_quote_what_the_two_machines_print(runs):
+    """docs/multinode.md's Accelerate section: its commands' arguments and the lines it quotes."""
+    import re
+
+    doc = (REPO / "docs" / "multinode.md").read_text()
+    section = doc.split("## Accelerate")[1].split("\n## ")[0]
+    assert f"examples/accelerate/train_loop.py {' '.join(LOOP_ARGS)}" in section
+    machine0 = runs["2 machines"]["output"][0]
+    quoted = re.findall(r"`(step \d/6 [^`]+)`", section)
+    assert len(quoted) == 2
+    for line in quoted:
+        assert line in machine0 and line in runs["1 machine"]["output"][0], line
+    setup = re.search(r"`(zero_strategy: ZeRO stage 3 on 4 rank\(s\) \(2 nodes x 2 ranks\s+\(from [^`]*)\.\.\.`",
+                      section).group(1)
+    assert " ".join(setup.split()) in machine0

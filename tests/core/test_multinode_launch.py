@@ -52,7 +52,7 @@ def _env() -> dict:
 # ======================================================================================
 # torchrun: two launchers on this host against one
 # ======================================================================================
-EXAMPLE_ARGS = ["--steps", "6", "--log-every", "1"]
+EXAMPLE_ARGS = ["--steps", "10", "--log-every", "1"]  # docs/multinode.md's --steps 10 (--log-every: every step)
 
 
 def _example(tmp: Path, name: str, launchers) -> dict:
@@ -72,6 +72,7 @@ def _example(tmp: Path, name: str, launchers) -> dict:
             "summary": re.search(r"^loss \S+ -> \S+ in \d+ steps", out, re.M).group(0),
             "setup": next(line for line in out.splitlines() if line.startswith("ZeRO stage")),
             "probe": re.search(r"loss on a probe batch: .*$", out, re.M).group(0),
+            "bytes": (re.search(r"bytes sent by rank 0: .* to other nodes", out) or [None])[0],
             "weights": load_file(str(save / "model.safetensors")), "launch": printed[0]}
 
 
@@ -100,7 +101,7 @@ def _same_weights(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("nodes,one_node", [("2x2", "1x4"), ("2x1", "1x2")])
 def test_two_torchrun_launchers_train_like_one(torchrun_runs, nodes, one_node):
     got, ref = torchrun_runs[nodes], torchrun_runs[one_node]
-    assert len(got["steps"]) == 6 and got["steps"] == ref["steps"]
+    assert len(got["steps"]) == 10 and got["steps"] == ref["steps"]
     assert got["summary"] == ref["summary"] and got["probe"] == ref["probe"]
     _same_weights(got["weights"], ref["weights"])
 
@@ -113,6 +114,18 @@ def test_the_engine_sees_torchruns_nodes(torchrun_runs):
     assert "node" not in torchrun_runs["1x4"]["setup"]
     # The static rendezvous honours --node-rank: rank 0 runs in the launch with --node-rank 0.
     assert torchrun_runs["2x1"]["launch"] == 0
+    # On nodes the example prints what rank 0 sent across them; on one node nothing.
+    assert torchrun_runs["2x2"]["bytes"] is not None and torchrun_runs["1x4"]["bytes"] is None
+
+
+@pytest.mark.slow
+def test_docs_quote_what_the_two_launchers_print(torchrun_runs):
+    """docs/multinode.md's torchrun section quotes the 2 x 2 run of its commands."""
+    doc = (ROOT / "docs" / "multinode.md").read_text()
+    assert re.search(r"`(loss \S+ -> \S+ in 10 steps)`", doc).group(1) == torchrun_runs["2x2"]["summary"]
+    assert re.search(r"`(bytes sent by rank 0: [^`]+)`", doc).group(1) == torchrun_runs["2x2"]["bytes"]
+    setup = re.search(r"^(ZeRO stage 3 on 4 rank\(s\) \(2 nodes .*), \.\.\.$", doc, re.M).group(1)
+    assert torchrun_runs["2x2"]["setup"].startswith(setup)
 
 
 # ======================================================================================
