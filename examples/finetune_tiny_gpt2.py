@@ -274,10 +274,11 @@ def report_memory(got, engine, num_params: int, world_size: int, args) -> None:
 def report_comm(comm, num_params: int, summary: dict, min_gather_numel: int, args) -> None:
     """The last optimizer step's traffic, counted as the paper does (all-reduce = 2x)."""
     print("\ncommunication in one optimizer step (elements per rank, counted as the paper does):")
+    width = max([16] + [len(kind) for kind in comm.kinds])
     for kind, tally in sorted(comm.kinds.items()):
-        print(f"  {kind:16s} {tally.calls:4d} calls  {tally.elements:>12,} elements")
+        print(f"  {kind:{width}s} {tally.calls:4d} calls  {tally.elements:>12,} elements")
     volume = comm.paper_volume
-    print(f"  paper_volume     {volume:,} = {volume / num_params:.2f} Ψ, where Ψ = {num_params:,} "
+    print(f"  {'paper_volume':{width}s} {volume:,} = {volume / num_params:.2f} Ψ, where Ψ = {num_params:,} "
           "(the parameter count)")
     if comm.cross_node_bytes:
         print(f"  bytes sent by rank 0: {comm.intra_node_bytes:,} inside its node, {comm.cross_node_bytes:,} to "
