@@ -114,12 +114,14 @@ class ZeroEngine(SavesAndLoads, WholeParameters, Reports):
         inner = as_optimizer_list(optimizer)
         optimizer_set = OptimizerSet(inner) if inner else None
         # Before any other collective: ranks set up differently fail here, naming the difference.
-        check_same_setup(comm, model, optimizer_set, config, sync_module_states=sync_module_states, pretrained=pretrained)
+        topology = multinode.resolve_topology(config)  # this rank's launcher variables: compared by the check
+        check_same_setup(comm, model, optimizer_set, config, sync_module_states=sync_module_states, pretrained=pretrained,
+                         ranks_per_node=topology.ranks_per_node)
         if sync_module_states and comm.world_size > 1:
             _broadcast_from_rank0(model, comm, skip=pending)
         # Nodes, and ZeRO++'s node and cross-node communicators when asked for (every rank
         # has the same config now, so every rank builds the same groups).
-        self.topology = multinode.set_up(comm, config)
+        self.topology = multinode.set_up(comm, config, topology)
         # Parameters recorded by init_context get an eager build's values, replayed below
         # ([Note: recorded initialisation] in materialize/recording.py).
         replay = plan_replay(model, comm) if pending and device.type != "meta" else None

@@ -233,7 +233,7 @@ def test_srun_cyclic_distribution_is_refused_naming_each_ranks_node():
 def test_ranks_per_node_in_the_config_wins_over_slurm():
     # e.g. Lightning's strategy passes Trainer(num_nodes=2, devices=4) as ranks_per_node=4.
     topology, _ = _what_the_engine_uses(_srun_alone(2, 4), ranks_per_node=4)
-    assert topology.source == "the config (ranks_per_node)" and topology.nodes == 2
+    assert topology.source == "ranks_per_node" and topology.nodes == 2
     topology, _ = _what_the_engine_uses(_srun_alone(2, 4), ranks_per_node=2)
     assert topology.nodes == 4
 
@@ -274,9 +274,9 @@ def test_set_up_on_every_rank_of_a_slurm_job(job, monkeypatch):
         comm = _Reports(envs)
         if job == "srun cyclic":
             with pytest.raises(ValueError, match="numbered node by node"):
-                multinode.set_up(comm, ZeroConfig(stage=3))
+                multinode.set_up(comm, ZeroConfig(stage=3), multinode.resolve_topology(ZeroConfig(stage=3)))
             continue
-        topology = multinode.set_up(comm, ZeroConfig(stage=3))
+        topology = multinode.set_up(comm, ZeroConfig(stage=3), multinode.resolve_topology(ZeroConfig(stage=3)))
         assert comm.topology is topology and (topology.nodes, topology.ranks_per_node) == (2, 2)
         assert topology.node_of(rank) == int(env.get("GROUP_RANK", env["SLURM_NODEID"]))
         for k in env:

@@ -262,3 +262,40 @@ def test_estimated_traffic_by_hand():
     assert both.cross_node == pytest.approx(psi * (1 + 4 / 256) / 2 + psi / 2 / 2 * (0.5 + 4 / 256))
     assert both.cross_node < 0.25 * plain.cross_node
     assert step_traffic(psi, 4, 4, 3, "fp32").cross_node == 0
+
+
+def _uneven(rank, ws):
+    import zero_strategy
+
+    # torchrun agents started with different --nproc-per-node: rank 3 thinks its node holds 4.
+    os.environ.update(LOCAL_WORLD_SIZE="4" if rank == 3 else "2", LOCAL_RANK=str(rank % 2))
+    model = tiny_gpt2(seed=0)
+    zero_strategy.initialize(model, torch.optim.AdamW(model.parameters()), dict(stage=3))
+
+
+@pytest.mark.slow
+def test_ranks_that_see_different_node_sizes_fail_together_at_the_setup_check():
+    outcome = run_distributed_outcomes(_uneven, 4, timeout=120)
+    assert not outcome["timed_out"]
+    for rank, (kind, text) in outcome["ranks"].items():
+        assert kind == "error", rank
+        assert "set up differently" in text and "ranks per node" in text
+
+
+def test_hierarchical_options_refuse_a_slurm_job_of_uneven_nodes():
+    from zero_strategy import ZeroConfig
+    from zero_strategy.communication import multinode
+    from zero_strategy.communication.topology import from_launcher
+
+    topology = from_launcher(4, {"SLURM_NTASKS": "4", "SLURM_TASKS_PER_NODE": "3,1"})
+    assert topology.nodes == 1 and topology.uneven
+
+    class _Comm:  # enough of a communicator for set_up's decisions
+        world_size = 4
+
+        def set_topology(self, t):
+            self.topology = t
+
+    with pytest.raises(ValueError, match="nodes of equal size"):
+        multinode.set_up(_Comm(), ZeroConfig(stage=3, secondary_partition="node"), topology)
+    assert multinode.set_up(_Comm(), ZeroConfig(stage=3), topology) is topology  # plain: accounting only

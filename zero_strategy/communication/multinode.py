@@ -1,7 +1,10 @@
 """Setting a communicator up for more than one node: the topology, and ZeRO++'s parts.
 
-Called by the engine once, after the setup check (every rank has the same config, so
-every rank builds the same sub-groups in the same order) and before the model is cut.
+The engine resolves the topology from the config and this rank's launcher variables
+(:func:`resolve_topology`, no collective) before its setup check, which compares the
+ranks per node every rank found; then, after the check (every rank has the same config
+and layout, so every rank builds the same sub-groups in the same order) and before the
+model is cut, :func:`set_up`.
 
 * The node structure ([Note: node structure] in topology.py) is resolved from the
   config or the launcher; a launcher that says there are several nodes is checked
@@ -22,11 +25,16 @@ from .topology import Topology, check_layout, launcher_identity, resolve
 BITS = {"int8": 8, "int4": 4}
 
 
-def set_up(comm, config) -> Topology:
+def resolve_topology(config) -> Topology:
+    """This rank's view of the node structure: the config's, else its launcher's."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return resolve(world, config.ranks_per_node)
+
+
+def set_up(comm, config, topology: Topology) -> Topology:
     """Give ``comm`` its topology and, if the config asks for ZeRO++, its node and
     cross-node sub-communicators; returns the topology."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    topology = resolve(world, config.ranks_per_node)
+    world = topology.world_size
     if topology.multi_node and config.ranks_per_node is None and comm.world_size > 1:
         reports = comm.all_gather_object(launcher_identity(), label="each rank's node (the launcher's layout)")
         problem = check_layout(topology, reports)
@@ -38,6 +46,12 @@ def set_up(comm, config) -> Topology:
     qgz = config.gradient_quantization is not None
     if not (hpz or qgz) or comm.world_size == 1:
         return topology
+    if topology.uneven:
+        raise ValueError(
+            f"secondary_partition and gradient_quantization need nodes of equal size; the launcher says they differ "
+            f"({topology.uneven}). Run the same number of ranks on every node, or set ranks_per_node to group the "
+            "ranks yourself."
+        )
     if comm.global_ranks() != list(range(world)):
         raise ValueError(
             "secondary_partition and gradient_quantization need the engine to run on every rank of the job (its "

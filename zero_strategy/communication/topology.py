@@ -13,9 +13,12 @@ with torchrun).  Where the number comes from, first match wins:
    ``num_nodes`` (passed by the Lightning strategy as ``ranks_per_node``);
 3. otherwise one node holding every rank.
 
-When the launcher's numbers say there is more than one node, the engine checks at
-start-up that every rank agrees on them and that ranks are numbered node by node (a
-heterogeneous or interleaved layout is refused with what each rank reported).
+Every rank reads its own launcher variables, so the setup check compares the ranks per
+node each rank found (nodes of different sizes fail there, naming each rank's value);
+when they say there is more than one node, the engine also checks that ranks are
+numbered node by node (an interleaved layout is refused with what each rank reported).
+A Slurm job whose nodes hold different numbers of tasks is counted as one node, and
+refused by hpZ and qgZ, which need equal nodes.
 
 [Note: direct-exchange bytes]
 ``comm_report()`` splits what a rank sends into intra-node and cross-node bytes by a
@@ -50,6 +53,7 @@ class Topology:
     world_size: int
     ranks_per_node: int
     source: str = "one node"  # where ranks_per_node came from, for the start-up line
+    uneven: Optional[str] = None  # the launcher's nodes hold different numbers of ranks: what it said
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
@@ -99,13 +103,13 @@ def _slurm_tasks_per_node(env: Mapping[str, str]) -> Optional[int]:
     n = _positive_int(env.get("SLURM_NTASKS_PER_NODE"))
     if n is not None:
         return n
-    spec = env.get("SLURM_TASKS_PER_NODE")
-    if not spec:
-        return None
-    counts = set()
-    for part in spec.split(","):
-        counts.add(_positive_int(part.split("(")[0]))
+    counts = _slurm_counts(env)
     return counts.pop() if len(counts) == 1 else None
+
+
+def _slurm_counts(env: Mapping[str, str]) -> set:
+    spec = env.get("SLURM_TASKS_PER_NODE") or ""
+    return {_positive_int(part.split("(")[0]) for part in spec.split(",") if part.strip()}
 
 
 def from_launcher(world_size: int, env: Mapping[str, str] = os.environ) -> Topology:
@@ -115,14 +119,17 @@ def from_launcher(world_size: int, env: Mapping[str, str] = os.environ) -> Topol
         return Topology(world_size, n, "the launcher (LOCAL_WORLD_SIZE)")
     # Slurm without torchrun: one task per rank (srun --ntasks-per-node).
     n = _slurm_tasks_per_node(env)
-    if n is not None and world_size % n == 0 and _positive_int(env.get("SLURM_NTASKS")) == world_size:
+    slurm_job = _positive_int(env.get("SLURM_NTASKS")) == world_size
+    if n is not None and world_size % n == 0 and slurm_job:
         return Topology(world_size, n, "Slurm (SLURM_NTASKS_PER_NODE)")
+    if slurm_job and len(_slurm_counts(env)) > 1:
+        return Topology(world_size, world_size, "one node", uneven=f"SLURM_TASKS_PER_NODE={env['SLURM_TASKS_PER_NODE']}")
     return Topology(world_size, world_size, "one node")
 
 
 def resolve(world_size: int, ranks_per_node: Optional[int], env: Mapping[str, str] = os.environ) -> Topology:
     if ranks_per_node is not None:
-        return Topology(world_size, ranks_per_node, "the config (ranks_per_node)")
+        return Topology(world_size, ranks_per_node, "ranks_per_node")
     return from_launcher(world_size, env)
 
 

@@ -70,7 +70,8 @@ def _scalar(value):
 _PER_RANK_FIELDS = ("nvme_path",)
 
 
-def describe_setup(model: nn.Module, optimizer, config, *, sync_module_states: bool, pretrained) -> Dict[str, object]:
+def describe_setup(model: nn.Module, optimizer, config, *, sync_module_states: bool, pretrained,
+                   ranks_per_node: Optional[int] = None) -> Dict[str, object]:
     """What must be equal on every rank, as JSON-able values (see [Note: the setup check])."""
     names = {id(p): n for n, p in model.named_parameters()}
     groups = []
@@ -86,7 +87,10 @@ def describe_setup(model: nn.Module, optimizer, config, *, sync_module_states: b
         "buffers": [[n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()],
         "optimizer": None if optimizer is None else {"class": getattr(optimizer, "class_name", type(optimizer).__qualname__),
                                                      "groups": groups},
-        "options": {"sync_module_states": bool(sync_module_states), "pretrained": pretrained is not None},
+        "options": {"sync_module_states": bool(sync_module_states), "pretrained": pretrained is not None,
+                    # Each rank reads its node layout from its own launcher variables: nodes of
+                    # different sizes show up here ([Note: node structure] in topology.py).
+                    "ranks per node (ranks_per_node, else the launcher's LOCAL_WORLD_SIZE)": ranks_per_node},
     }
 
 
@@ -187,11 +191,13 @@ def explain(descriptions: List[dict], sections: List[str]) -> List[str]:
     return out
 
 
-def check_same_setup(comm, model: nn.Module, optimizer, config, *, sync_module_states: bool, pretrained) -> None:
+def check_same_setup(comm, model: nn.Module, optimizer, config, *, sync_module_states: bool, pretrained,
+                     ranks_per_node: Optional[int] = None) -> None:
     """Collective (see [Note: the setup check]); nothing happens on a single process."""
     if comm.world_size == 1 or comm.group is None or dist.get_backend(comm.group) == "fake":
         return
-    desc = describe_setup(model, optimizer, config, sync_module_states=sync_module_states, pretrained=pretrained)
+    desc = describe_setup(model, optimizer, config, sync_module_states=sync_module_states, pretrained=pretrained,
+                          ranks_per_node=ranks_per_node)
     digests = [_digest(desc[s]) for s in SECTIONS]
     # Always the same length: a value slot of 0 where values are not compared.
     digests.append(_values_checksum(model) if not sync_module_states and pretrained is None else 0)
