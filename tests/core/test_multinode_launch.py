@@ -5,8 +5,9 @@ variables, and checkpoints across node layouts.
   the quick-start example exactly as one ``torchrun --nproc-per-node 4`` (2 nodes x 2
   ranks, c10d rendezvous) or ``--nproc-per-node 2`` (2 nodes x 1 rank, static
   rendezvous with ``--node-rank``) does: the same losses and the same saved weights, and
-  the engine says it saw the nodes (its start-up line).  The one-node run is the
-  reference; nothing is compared with numbers copied from a run.
+  the engine says it saw the nodes (its start-up line).  With hpZ on across the two
+  launchers' nodes it still trains bit-for-bit like plain stage 3 on one node.  The
+  one-node run is the reference; nothing is compared with numbers copied from a run.
 * Slurm (no Slurm here): the variables that ``sbatch`` + ``srun`` + ``torchrun`` and
   ``srun`` alone give each process, fed to what the engine reads at start-up
   (``topology.resolve``, ``launcher_identity``, ``check_layout``, and
@@ -55,11 +56,12 @@ def _env() -> dict:
 EXAMPLE_ARGS = ["--steps", "10", "--log-every", "1"]  # docs/multinode.md's --steps 10 (--log-every: every step)
 
 
-def _example(tmp: Path, name: str, launchers) -> dict:
-    """Run the example under ``launchers`` (torchrun argument lists, started together);
-    returns what rank 0 printed, which launch printed it, and the saved weights."""
+def _example(tmp: Path, name: str, launchers, extra=()) -> dict:
+    """Run the example under ``launchers`` (torchrun argument lists, started together),
+    with ``extra`` example arguments; returns what rank 0 printed, which launch printed
+    it, and the saved weights."""
     save = tmp / name
-    cmds = [[TORCHRUN, *args, str(EXAMPLE), *EXAMPLE_ARGS, "--save", str(save)] for args in launchers]
+    cmds = [[TORCHRUN, *args, str(EXAMPLE), *EXAMPLE_ARGS, *extra, "--save", str(save)] for args in launchers]
     procs = run_together(cmds, cwd=str(ROOT), envs=[_env()] * len(cmds), timeout=TIMEOUT)
     for p in procs:
         assert p.returncode == 0, f"{p.args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
@@ -88,6 +90,13 @@ def torchrun_runs(tmp_path_factory):
     runs["2x1"] = _example(tmp, "2x1", [static + ["--node-rank", "0"], static + ["--node-rank", "1"]])
     runs["1x4"] = _example(tmp, "1x4", [["--standalone", "--nproc-per-node", "4"]])
     runs["1x2"] = _example(tmp, "1x2", [["--standalone", "--nproc-per-node", "2"]])
+    # hpZ across the two launchers' nodes, each block gathered on its own (by default the
+    # example's whole model is one gather kept from forward into backward: nothing for
+    # hpZ to do), against one node running plain stage 3 the same way.
+    blocks = ["--min-gather-numel", "0"]
+    c10d = c10d[:-1] + [f"127.0.0.1:{_free_port()}"]
+    runs["2x2_hpz"] = _example(tmp, "2x2_hpz", [c10d, c10d], blocks + ["--secondary-partition", "node"])
+    runs["1x4_blocks"] = _example(tmp, "1x4_blocks", [["--standalone", "--nproc-per-node", "4"]], blocks)
     return runs
 
 
@@ -101,6 +110,15 @@ def _same_weights(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("nodes,one_node", [("2x2", "1x4"), ("2x1", "1x2")])
 def test_two_torchrun_launchers_train_like_one(torchrun_runs, nodes, one_node):
     got, ref = torchrun_runs[nodes], torchrun_runs[one_node]
+    assert len(got["steps"]) == 10 and got["steps"] == ref["steps"]
+    assert got["summary"] == ref["summary"] and got["probe"] == ref["probe"]
+    _same_weights(got["weights"], ref["weights"])
+
+
+@pytest.mark.slow
+def test_hpz_across_two_launchers_trains_exactly_like_plain_stage_3_on_one_node(torchrun_runs):
+    got, ref = torchrun_runs["2x2_hpz"], torchrun_runs["1x4_blocks"]
+    assert "ZeRO++: hpZ" in got["setup"] and "2 nodes x 2 ranks" in got["setup"]
     assert len(got["steps"]) == 10 and got["steps"] == ref["steps"]
     assert got["summary"] == ref["summary"] and got["probe"] == ref["probe"]
     _same_weights(got["weights"], ref["weights"])
