@@ -38,6 +38,7 @@ import inspect
 import io
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -438,7 +439,7 @@ def summarize(args, per_rank, threads, wall_s, load_before, load_after):
                 "targets": check_targets(rows),
             })
     return {
-        "command": "benchmarks/bench_cross_node.py " + " ".join(args.argv),
+        "command": "benchmarks/bench_cross_node.py " + shlex.join(args.argv),
         "nodes": args.nodes, "ranks_per_node": args.ranks_per_node, "world_size": args.world_size,
         "steps": args.steps, "warmup": args.warmup, "threads_per_rank": threads, "lr": args.lr,
         "torch": torch.__version__,

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -317,6 +318,9 @@ def plot(rows, args, path) -> bool:
     except ImportError:
         return False
     colors = {"zero3": "tab:red", "zero3_hpz": "tab:orange", "zero3_zpp": "tab:green", "fsdp2_hsdp": "tab:blue"}
+    # hpZ and HSDP can coincide (the same bytes on each link): different markers and dashes keep both visible
+    styles = {"zero3": ("o", "-", 1.5), "zero3_hpz": ("s", (0, (4, 2)), 2.6), "zero3_zpp": ("o", "-", 1.5),
+              "fsdp2_hsdp": ("^", "-", 1.2)}
     fig, axes = plt.subplots(len(args.models), len(args.nic_gbps), figsize=(4.2 * len(args.nic_gbps),
                                                                              3.4 * len(args.models)),
                              squeeze=False, sharex=True)
@@ -327,14 +331,15 @@ def plot(rows, args, path) -> bool:
             for s in args.systems:
                 rs = [_row(rows, model=model, nodes=n, nic_gbps=gbps, system=s) for n in args.nodes]
                 compute = rs[0]["compute_s"]
-                ax.plot(args.nodes, [r["step_no_overlap_s"] for r in rs], "-o", ms=3, color=colors.get(s),
-                        label=f"{SYSTEM_LABELS[s]} (no overlap)")
-                ax.plot(args.nodes, [r["step_full_overlap_s"] for r in rs], "--", color=colors.get(s), alpha=0.6,
-                        label=f"{SYSTEM_LABELS[s]} (full overlap)")
+                marker, dash, width = styles.get(s, ("o", "-", 1.5))
+                ax.plot(args.nodes, [r["step_no_overlap_s"] for r in rs], marker=marker, ls=dash, lw=width, ms=4,
+                        color=colors.get(s), label=f"{SYSTEM_LABELS[s]} (no overlap)")
+                ax.plot(args.nodes, [r["step_full_overlap_s"] for r in rs], ls=":", lw=1.2, color=colors.get(s),
+                        alpha=0.7, label=f"{SYSTEM_LABELS[s]} (full overlap)")
                 for n, r in zip(args.nodes, rs):
                     if not r["fits"]:
-                        ax.plot([n], [r["step_no_overlap_s"]], "x", color="black", ms=7)
-            ax.axhline(compute, color="gray", lw=0.8, ls=":")
+                        ax.plot([n], [r["step_no_overlap_s"]], "x", color="black", ms=8, mew=1.5)
+            ax.axhline(compute, color="gray", lw=0.8, ls="-", alpha=0.5)
             ax.set_xscale("log", base=2)
             ax.set_xticks(args.nodes)
             ax.set_xticklabels([str(n) for n in args.nodes])
@@ -346,7 +351,7 @@ def plot(rows, args, path) -> bool:
                 ax.set_ylabel("step time (s)")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.suptitle(f"Simulated step time: compute (dotted, {args.mfu:.0%} MFU, {args.tokens_per_gpu} tokens/GPU) + "
+    fig.suptitle(f"Simulated step time: compute (grey, {args.mfu:.0%} MFU, {args.tokens_per_gpu} tokens/GPU) + "
                  f"communication; x = model states > {args.gpu_memory_gb:g} GB/GPU", fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -421,7 +426,7 @@ def run(args):
             "assumptions": {k: getattr(args, k) for k in ("gpus_per_node", "nic_gbps", "nvlink_gbs", "mfu",
                                                           "peak_tflops", "tokens_per_gpu", "gpu_memory_gb", "nodes",
                                                           "models")},
-            "command": "benchmarks/simulate_zero_plus_plus.py " + " ".join(args.argv)}
+            "command": "benchmarks/simulate_zero_plus_plus.py " + shlex.join(args.argv)}
 
 
 def main(argv=None):

@@ -29,6 +29,7 @@ import glob
 import io
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -132,7 +133,8 @@ def worker_main(rank, world_size, store_path, args, queue):
         starts = torch.randint(val_start, len(data) - args.seq - 1, (args.val_windows,), generator=gv)
         val_x = windows(data, starts.view(world_size, -1)[rank], args.seq)
         results = []
-        runs = [("plain", {}, s) for s in args.seeds] + [("quantized", QUANTIZED, s) for s in args.quantized_seeds]
+        runs = ([("plain", {}, s) for s in args.seeds]
+                + [("quantized", args.quantized_config, s) for s in args.quantized_seeds])
         for name, extra, seed in runs:
             def progress(line, _n=name, _s=seed):
                 queue.put((rank, "progress", f"{_n} seed {_s}: {line}"))
@@ -180,7 +182,7 @@ def summarize(args, per_rank, threads, corpus_bytes, wall_s, load):
         runs.append({"name": first["name"], "seed": first["seed"], "config": first["config"], "loss": loss,
                      "val": val, "median_step_s": statistics.median(step_times)})
     summary = {
-        "command": "benchmarks/zero_plus_plus_loss.py " + " ".join(args.argv),
+        "command": "benchmarks/zero_plus_plus_loss.py " + shlex.join(args.argv),
         "model": args.model, "precision": args.precision, "psi": None, "steps": args.steps,
         "micro_batch": args.micro_batch, "seq": args.seq, "lr": args.lr, "nodes": args.nodes,
         "ranks_per_node": args.ranks_per_node, "world_size": args.world_size,
@@ -236,8 +238,9 @@ def compare(summary):
         if q["val"] and plain[0]["val"]:
             val_in = sum(min(r["val"][i][1] for r in plain) <= q["val"][i][1] <= max(r["val"][i][1] for r in plain)
                          for i in range(len(q["val"])))
+        position = "below" if final(q) < min(finals) else "above" if final(q) > max(finals) else "inside"
         out["quantized"].append({
-            "seed": q["seed"], "final": final(q), "mean": statistics.mean(q["loss"]),
+            "seed": q["seed"], "final": final(q), "mean": statistics.mean(q["loss"]), "position": position,
             "val_final": q["val"][-1][1] if q["val"] else None,
             "final_within_plain_range": min(finals) <= final(q) <= max(finals),
             "steps_raw_in_band": raw_in, "steps_smoothed_in_band": sm_in, "steps": steps,
@@ -247,7 +250,34 @@ def compare(summary):
             "final_minus_same_seed_plain": final(q) - final(twin) if twin else None,
             "val_final_minus_same_seed_plain": (q["val"][-1][1] - twin["val"][-1][1]) if twin and q["val"] else None,
         })
+    out["quantized_final"] = [final(q) for q in quant]
+    out["quantized_val_final"] = [q["val"][-1][1] for q in quant] if quant[0]["val"] else []
     return out
+
+
+SAME_SETTINGS = ("model", "precision", "steps", "micro_batch", "seq", "lr", "nodes", "ranks_per_node", "corpus_bytes",
+                 "val_windows", "eval_every", "smooth", "torch")
+
+
+def appended(path, new):
+    """The summary in ``path`` with ``new``'s runs added (a run of the same name and seed
+    is replaced); every setting that shapes a curve must be equal."""
+    with open(path, encoding="utf-8") as f:
+        old = json.load(f)
+    differ = {k: (old.get(k), new.get(k)) for k in SAME_SETTINGS if old.get(k) != new.get(k)}
+    if differ:
+        raise SystemExit(f"--append: {path} was made with other settings: {differ}")
+    keys = {(r["name"], r["seed"]) for r in new["runs"]}
+    old["runs"] = [r for r in old["runs"] if (r["name"], r["seed"]) not in keys] + new["runs"]
+    old["runs"].sort(key=lambda r: (r["name"] != "plain", r["seed"]))
+    commands = old.get("commands") or [{"command": old["command"], "wall_s": old["wall_s"],
+                                        "loadavg_before": old["loadavg_before"], "loadavg_after": old["loadavg_after"],
+                                        "date": old["date"]}]
+    commands.append({k: new[k] for k in ("command", "wall_s", "loadavg_before", "loadavg_after", "date")})
+    old["commands"] = commands
+    old["wall_s"] = sum(c["wall_s"] for c in commands)
+    old["comparison"] = compare(old)
+    return old
 
 
 def parse_args(argv=None):
@@ -258,6 +288,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seeds", default="0,1,2", help="plain stage 3 runs")
     p.add_argument("--quantized-seeds", default="0", help="hpZ + qwZ int8 + qgZ int4 runs")
+    p.add_argument("--quantized-config", type=json.loads, default=QUANTIZED,
+                   help="the ZeRO++ options of the quantized runs (json; default hpZ + qwZ int8 + qgZ int4), "
+                        "e.g. '{\"gradient_quantization\": \"int4\"}' to try one part alone")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=64, help="bytes per sequence")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -271,11 +304,16 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--timeout", type=float, default=7200.0)
     p.add_argument("--json", help="write the summary here")
+    p.add_argument("--append", action="store_true",
+                   help="add these runs to the runs already in --json (same settings required), e.g. more "
+                        "quantized seeds: --seeds '' --quantized-seeds 1,2 --append")
     args = p.parse_args(argv)
     args.argv = argv
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.quantized_seeds = [int(s) for s in args.quantized_seeds.split(",") if s.strip()]
     args.world_size = args.nodes * args.ranks_per_node
+    if args.append and not (args.json and os.path.exists(args.json)):
+        p.error("--append needs an existing --json file")
     if args.val_windows % args.world_size:
         p.error("--val-windows must be a multiple of the world size")
     for key, value in S.PRESETS[args.model].items():
@@ -304,6 +342,8 @@ def main(argv=None):
     results = run_workers(worker_main, args, "zpp_loss_", progress)
     summary = summarize(args, [r["runs"] for r in results], results[0]["threads"], results[0]["corpus_bytes"],
                         time.perf_counter() - t0, (load, os.getloadavg()))
+    if args.append:
+        summary = appended(args.json, summary)
     c = summary["comparison"]
     for r in summary["runs"]:
         print(f"{r['name']:9s} seed {r['seed']}: final (mean of last {args.smooth}) "

@@ -60,15 +60,19 @@ def plot_losses(summary, path) -> bool:
     lo = [min(sm[id(r)][i] for r in plain) for i in range(len(steps))]
     hi = [max(sm[id(r)][i] for r in plain) for i in range(len(steps))]
     ax.fill_between(steps, lo, hi, color="tab:blue", alpha=0.25, label=f"plain stage 3, {len(plain)} seeds: range")
-    for r in plain:
-        ax.plot(steps, r["loss"], color="tab:blue", lw=0.4, alpha=0.35)
-        ax.plot(steps, sm[id(r)], color="tab:blue", lw=1.0, label=f"plain seed {r['seed']}")
+    blues = ["#1f4e9c", "#3a7dd8", "#7fb2f0", "#0b2a5c"]
+    for k, r in enumerate(plain):
+        ax.plot(steps, r["loss"], color=blues[k % 4], lw=0.4, alpha=0.3)
+        ax.plot(steps, sm[id(r)], color=blues[k % 4], lw=1.0, label=f"plain seed {r['seed']}")
     for r in quant:
         ax.plot(steps, r["loss"], color="tab:green", lw=0.4, alpha=0.35)
         ax.plot(steps, sm[id(r)], color="tab:green", lw=1.6, label=f"hpZ + qwZ int8 + qgZ int4, seed {r['seed']}")
     ax.set_xlabel("step")
-    ax.set_ylabel(f"training loss (thin: per step, thick: {w}-step moving average)")
-    ax.set_ylim(top=min(6.0, max(max(r["loss"]) for r in summary["runs"])))
+    ax.set_ylabel("training loss")
+    floor = min(min(r["loss"]) for r in summary["runs"])
+    ax.set_ylim(floor - 0.1, min(4.0, max(max(r["loss"]) for r in summary["runs"])))
+    ax.text(0.99, 0.02, f"thin: per step; thick: {w}-step moving average", transform=ax.transAxes, ha="right",
+            fontsize=7, color="gray")
     handles, labels = ax.get_legend_handles_labels()
     seen = {}
     for h, lab in zip(handles, labels):
@@ -77,10 +81,13 @@ def plot_losses(summary, path) -> bool:
     ax.set_title(f"GPT-2 {summary['model']} ({summary['psi'] / 1e6:.1f}M), {summary['precision']}, "
                  f"{summary['nodes']} nodes x {summary['ranks_per_node']} ranks, "
                  f"{summary['tokens_per_step']} tokens/step", fontsize=9)
-    for r in plain:
-        axv.plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "-o", ms=2, color="tab:blue", lw=0.8)
+    for k, r in enumerate(plain):
+        axv.plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "-o", ms=2, color=blues[k % 4], lw=0.8,
+                 label=f"plain seed {r['seed']}")
     for r in quant:
-        axv.plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "-s", ms=3, color="tab:green", lw=1.2)
+        axv.plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "-s", ms=3, color="tab:green", lw=1.2,
+                 label=f"quantized seed {r['seed']}")
+    axv.legend(fontsize=7)
     axv.set_xlabel("step")
     axv.set_ylabel("held-out loss")
     tail = [v for r in summary["runs"] for s, v in r["val"] if s >= summary["steps"] // 3]
@@ -116,20 +123,72 @@ def loss_verdict(summary) -> list:
     lo, hi = min(c["plain_final"]), max(c["plain_final"])
     vals = c["plain_val_final"]
     for q in c["quantized"]:
-        out.append(
-            f"- Quantized run (seed {q['seed']}): final loss {q['final']:.4f} against the plain seeds' "
-            f"{lo:.4f} .. {hi:.4f} (spread {c['plain_final_spread']:.4f}): "
-            f"**{'inside' if q['final_within_plain_range'] else 'outside'}** the range; "
-            f"{q['final_minus_same_seed_plain']:+.4f} from plain stage 3 with the same seed (same weights, same batches). "
-            f"Its {summary['smooth']}-step moving average is inside the plain seeds' band at "
-            f"{q['steps_smoothed_in_band']} of {q['steps']} steps (largest distance outside "
-            f"{q['largest_smoothed_excursion']:.4f}); the per-step loss at {q['steps_raw_in_band']} of {q['steps']}.")
+        where = {"inside": "inside", "below": "below (better than)", "above": "above (worse than)"}[
+            q.get("position", "inside" if q["final_within_plain_range"] else "outside")]
+        line = (f"- Quantized, seed {q['seed']}: final loss {q['final']:.4f}, **{where}** the plain seeds' "
+                f"{lo:.4f} .. {hi:.4f} (spread {c['plain_final_spread']:.4f})")
+        if q["final_minus_same_seed_plain"] is not None:
+            line += f"; {q['final_minus_same_seed_plain']:+.4f} from plain stage 3 with the same seed"
+        line += (f". Its {summary['smooth']}-step moving average is inside the plain band at "
+                 f"{q['steps_smoothed_in_band']} of {q['steps']} steps (largest distance outside "
+                 f"{q['largest_smoothed_excursion']:.4f}).")
         if vals and q["val_final"] is not None:
-            out.append(
-                f"- Held-out loss at the end: {q['val_final']:.4f} against {min(vals):.4f} .. {max(vals):.4f} "
-                f"({q['val_final_minus_same_seed_plain']:+.4f} from the same seed's plain run); inside the plain "
-                f"range at {q['val_in_band']} of {q['val_points']} evaluations.")
+            line += (f" Held-out loss at the end {q['val_final']:.4f} against {min(vals):.4f} .. {max(vals):.4f}"
+                     + (f" ({q['val_final_minus_same_seed_plain']:+.4f} from the same seed's plain run)"
+                        if q["val_final_minus_same_seed_plain"] is not None else "")
+                     + f"; inside the plain range at {q['val_in_band']} of {q['val_points']} evaluations.")
+        out.append(line)
+    qf = c.get("quantized_final") or []
+    if len(qf) >= 2:
+        mp, mq = statistics.mean(c["plain_final"]), statistics.mean(qf)
+        out.append(f"- Over seeds: final loss {mq:.4f} on average for the quantized runs ({min(qf):.4f} .. "
+                   f"{max(qf):.4f}) against {mp:.4f} for plain stage 3 ({lo:.4f} .. {hi:.4f}): {mq - mp:+.4f}.")
+        qv = c.get("quantized_val_final") or []
+        if len(qv) >= 2 and vals:
+            out.append(f"- Held-out at the end: {statistics.mean(qv):.4f} ({min(qv):.4f} .. {max(qv):.4f}) against "
+                       f"{statistics.mean(vals):.4f} ({min(vals):.4f} .. {max(vals):.4f}).")
     return out
+
+
+def ablation_lines(data_dir, loss) -> list:
+    """The parts alone (150-step runs of seed 0), next to the full runs at the same step."""
+    import glob
+
+    rows = []
+    for path in sorted(glob.glob(os.path.join(data_dir, "loss_ablation_*.json"))):
+        a = _load(path)
+        if a and a["runs"]:
+            rows.append((os.path.basename(path), a))
+    if not rows or not loss:
+        return []
+    steps = rows[0][1]["steps"]
+    w = loss["smooth"]
+
+    def at(run, n):
+        val = dict((s, v) for s, v in run["val"]).get(n)
+        return statistics.mean(run["loss"][n - w:n]), val
+
+    lines = [
+        f"Which part: each part alone, seed 0, {steps} steps, the same settings otherwise (files "
+        "`loss_ablation_*.json`), beside the runs above at step " + str(steps) + f" (training loss: mean of steps "
+        f"{steps - w + 1}-{steps}; held-out loss at step {steps}):",
+        "",
+        "| run | ZeRO++ options | training loss | held-out loss |",
+        "|---|---|---:|---:|",
+    ]
+    for r in loss["runs"]:
+        if len(r["loss"]) >= steps:
+            t, v = at(r, steps)
+            label = "plain stage 3" if r["name"] == "plain" else "hpZ + qwZ int8 + qgZ int4"
+            lines.append(f"| {label}, seed {r['seed']} | {json.dumps(r['config']) if r['config'] else '-'} | {t:.4f} | "
+                         f"{'-' if v is None else f'{v:.4f}'} |")
+    for name, a in rows:
+        r = a["runs"][0]
+        t, v = at(r, steps)
+        lines.append(f"| {name}, seed {r['seed']} | {json.dumps(r['config'])} | {t:.4f} | "
+                     f"{'-' if v is None else f'{v:.4f}'} |")
+    lines += ["", "Commands (each wrote to /tmp; the files were copied here under the names above):", "", "```"] + [f".venv/bin/python {a['command']}" for _, a in rows] + ["```", ""]
+    return lines
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,7 +271,8 @@ def measured_section(cross) -> list:
     return lines
 
 
-def loss_section(loss, png_rel) -> list:
+def loss_section(loss, png_rel, data_dir) -> list:
+    commands = loss.get("commands") or [loss]
     lines = [
         "## Measured: loss curves, plain stage 3's spread against hpZ + qwZ int8 + qgZ int4",
         "",
@@ -222,15 +282,18 @@ def loss_section(loss, png_rel) -> list:
         f"step), AdamW lr {loss['lr']:g} (constant, weight decay 0.01). Data: real text, the bytes of the "
         f"Python standard library's top-level modules ({loss['corpus_bytes'] / 1e6:.1f} MB, one token per "
         "byte, the last 5% held out); random tokens would only teach every run the uniform distribution. "
-        "Each seed has its own initial weights and its own batch order; the quantized run uses seed 0's "
-        f"weights and batches. The held-out loss is over the same {loss['val_windows']} windows every "
+        "Each seed has its own initial weights and its own batch order; a quantized run with seed s uses "
+        f"plain seed s's weights and batches. The held-out loss is over the same {loss['val_windows']} windows every "
         f"{loss['eval_every']} steps (a no-grad forward, which gathers exact weights). Batch and sequence "
-        "were chosen after timing a few steps so that the four runs fit about 20 minutes on the quiet "
-        f"machine; this run took {loss['wall_s'] / 60:.0f} min (load average {loss['loadavg_before'][0]:.1f} "
-        f"before, {loss['loadavg_after'][0]:.1f} after: other work shared the 2 cores).",
+        "were chosen after timing a few steps (0.9 s a step for plain stage 3, 1.1 s quantized, on the quiet "
+        "machine) so that three plain runs and one quantized run fit about 20 minutes; other work shared the "
+        "2 cores, so they took longer: " + "; ".join(
+            f"{c['wall_s'] / 60:.0f} min at load average {c['loadavg_before'][0]:.1f} / {c['loadavg_after'][0]:.1f}"
+            for c in commands) + " (before / after). Commands, in order (`--append` adds runs to the file; every "
+        "setting that shapes a curve must be equal):",
         "",
         "```",
-        f".venv/bin/python {loss['command']}",
+    ] + [f".venv/bin/python {c['command']}" for c in commands] + [
         "```",
         "",
         f"![loss curves]({png_rel})",
@@ -238,11 +301,11 @@ def loss_section(loss, png_rel) -> list:
         "Left: training loss per step (thin, mean over the 4 ranks' micro-batches) and its "
         f"{loss['smooth']}-step moving average (thick); the shaded band is, at each step, the range of the "
         "plain seeds' moving averages: the run-to-run spread the quantized run (green) is judged against. "
-        "Right: the held-out loss at each evaluation, plain seeds in blue, the quantized run in green.",
+        "Right: the held-out loss at each evaluation, plain seeds in blue, the quantized runs in green.",
         "",
         loss_table(loss),
     ]
-    lines += loss_verdict(loss) + [""]
+    lines += loss_verdict(loss) + [""] + ablation_lines(data_dir, loss)
     return lines
 
 
@@ -330,9 +393,11 @@ def headline(cross, loss, sim, args) -> list:
     if loss and loss.get("comparison"):
         c = loss["comparison"]
         for q in c["quantized"]:
-            out.append(f"- measured, loss: after {loss['steps']} steps the quantized run's final loss "
-                       f"{q['final']:.4f} is {'inside' if q['final_within_plain_range'] else 'outside'} plain "
-                       f"stage 3's 3-seed range {min(c['plain_final']):.4f} .. {max(c['plain_final']):.4f}.")
+            where = {"inside": "inside", "below": "below (better than)", "above": "above (worse than)"}[
+                q.get("position", "inside")]
+            out.append(f"- measured, loss: after {loss['steps']} steps the quantized run of seed {q['seed']} ends at "
+                       f"{q['final']:.4f}, {where} plain stage 3's {len(c['plain_final'])}-seed range "
+                       f"{min(c['plain_final']):.4f} .. {max(c['plain_final']):.4f}.")
     if sim:
         for model in args.models:
             rs = {(r["system"], r["nodes"], r["nic_gbps"]): r for r in sim["rows"] if r["model"] == model}
@@ -348,6 +413,10 @@ def headline(cross, loss, sim, args) -> list:
 def render(data_dir=DATA, page=PAGE):
     cross = _load(os.path.join(data_dir, "cross_node.json"))
     loss = _load(os.path.join(data_dir, "loss_curves.json"))
+    if loss:
+        import zero_plus_plus_loss as L
+
+        loss["comparison"] = L.compare(loss)  # with this version's fields, whatever wrote the file
     page_dir = os.path.dirname(os.path.abspath(page))
     rel = os.path.relpath(os.path.abspath(data_dir), page_dir)
     sim, sim_args = None, None
@@ -382,7 +451,7 @@ def render(data_dir=DATA, page=PAGE):
     if cross:
         lines += measured_section(cross)
     if loss:
-        lines += loss_section(loss, f"{rel}/loss_curves.png")
+        lines += loss_section(loss, f"{rel}/loss_curves.png", data_dir)
     if sim:
         lines += simulation_section(sim, sim_args, f"{rel}/simulated_step_time.png", cross)
     with open(page, "w", encoding="utf-8") as f:

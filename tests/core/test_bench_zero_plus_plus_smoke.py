@@ -167,6 +167,7 @@ def test_loss_comparison_band():
     c = _fake_losses()["comparison"]
     (q,) = c["quantized"]
     assert q["final_within_plain_range"] and q["steps_smoothed_in_band"] == q["steps"] == 60
+    assert q["position"] == "inside"
     assert q["final_minus_same_seed_plain"] == pytest.approx(0.01)
     assert c["plain_final_spread"] == pytest.approx(0.04)
     outside = _fake_losses()
@@ -174,7 +175,28 @@ def test_loss_comparison_band():
     import zero_plus_plus_loss as LS
 
     (q,) = LS.compare(outside)["quantized"]
-    assert not q["final_within_plain_range"] and q["steps_smoothed_in_band"] == 0
+    assert not q["final_within_plain_range"] and q["steps_smoothed_in_band"] == 0 and q["position"] == "above"
+
+
+def test_appending_runs_needs_the_same_settings(tmp_path):
+    import zero_plus_plus_loss as LS
+
+    first = _fake_losses()
+    for k in ("date", "torch"):
+        first[k] = "x"
+    path = tmp_path / "loss.json"
+    path.write_text(json.dumps(first))
+    more = json.loads(json.dumps(first))
+    more["runs"] = [dict(first["runs"][-1], seed=1), dict(first["runs"][-1], seed=2)]
+    more["command"] = "benchmarks/zero_plus_plus_loss.py --seeds '' --quantized-seeds 1,2 --append"
+    merged = LS.appended(str(path), more)
+    assert [(r["name"], r["seed"]) for r in merged["runs"]] == [("plain", 0), ("plain", 1), ("plain", 2),
+                                                               ("quantized", 0), ("quantized", 1), ("quantized", 2)]
+    assert len(merged["commands"]) == 2 and merged["wall_s"] == 2 * first["wall_s"]
+    assert len(merged["comparison"]["quantized_final"]) == 3
+    more["steps"] = 61
+    with pytest.raises(SystemExit):
+        LS.appended(str(path), more)
 
 
 @pytest.mark.slow  # matplotlib and two figures: seconds
