@@ -297,15 +297,13 @@ def markdown(rows, args, source) -> str:
 def ops_markdown(ops: dict, source: dict, systems) -> str:
     ref = source["ranks_per_node"]
     lines = [
-        "| system | collective | level | bytes per parameter per step | bits per element (measured kind) |",
-        "|---|---|---|---:|---:|",
+        "| system | collective | level | bytes per parameter per step |",
+        "|---|---|---|---:|",
     ]
     for s in systems:
         for o in ops[s]:
             per = "Ψ" if o["level"] != "cross" else f"Ψ x {ref}/L"
-            bits = o.get("bits_per_element")
-            lines.append(f"| {SYSTEM_LABELS[s]} | {o['kind']} | {o['level']} | {o['bytes_per_param']:.4f} x {per} | "
-                         f"{'' if bits is None else f'{bits:.3f}'} |")
+            lines.append(f"| {SYSTEM_LABELS[s]} | {o['kind']} | {o['level']} | {o['bytes_per_param']:.4f} x {per} |")
     return "\n".join(lines) + "\n"
 
 

@@ -64,9 +64,15 @@ def plot_losses(summary, path) -> bool:
     for k, r in enumerate(plain):
         ax.plot(steps, r["loss"], color=blues[k % 4], lw=0.4, alpha=0.3)
         ax.plot(steps, sm[id(r)], color=blues[k % 4], lw=1.0, label=f"plain seed {r['seed']}")
-    for r in quant:
-        ax.plot(steps, r["loss"], color="tab:green", lw=0.4, alpha=0.35)
-        ax.plot(steps, sm[id(r)], color="tab:green", lw=1.6, label=f"hpZ + qwZ int8 + qgZ int4, seed {r['seed']}")
+    greens = ["#1b7a2e", "#3fb950", "#8fd99b", "#0c4a1a"]
+    if len(quant) >= 2:
+        qlo = [min(sm[id(r)][i] for r in quant) for i in range(len(steps))]
+        qhi = [max(sm[id(r)][i] for r in quant) for i in range(len(steps))]
+        ax.fill_between(steps, qlo, qhi, color="tab:green", alpha=0.15,
+                        label=f"hpZ + qwZ int8 + qgZ int4, {len(quant)} seeds: range")
+    for k, r in enumerate(quant):
+        ax.plot(steps, r["loss"], color=greens[k % 4], lw=0.4, alpha=0.3)
+        ax.plot(steps, sm[id(r)], color=greens[k % 4], lw=1.4, label=f"hpZ + qwZ int8 + qgZ int4, seed {r['seed']}")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     floor = min(min(r["loss"]) for r in summary["runs"])
@@ -84,8 +90,8 @@ def plot_losses(summary, path) -> bool:
     for k, r in enumerate(plain):
         axv.plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "-o", ms=2, color=blues[k % 4], lw=0.8,
                  label=f"plain seed {r['seed']}")
-    for r in quant:
-        axv.plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "-s", ms=3, color="tab:green", lw=1.2,
+    for k, r in enumerate(quant):
+        axv.plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "-s", ms=3, color=greens[k % 4], lw=1.2,
                  label=f"quantized seed {r['seed']}")
     axv.legend(fontsize=7)
     axv.set_xlabel("step")
@@ -143,6 +149,19 @@ def loss_verdict(summary) -> list:
         mp, mq = statistics.mean(c["plain_final"]), statistics.mean(qf)
         out.append(f"- Over seeds: final loss {mq:.4f} on average for the quantized runs ({min(qf):.4f} .. "
                    f"{max(qf):.4f}) against {mp:.4f} for plain stage 3 ({lo:.4f} .. {hi:.4f}): {mq - mp:+.4f}.")
+        diffs = [q["final_minus_same_seed_plain"] for q in c["quantized"] if q["final_minus_same_seed_plain"] is not None]
+        if diffs:
+            out.append(f"- Reading: against the same seed's plain run the quantized runs end "
+                       + ", ".join(f"{d:+.4f}" for d in diffs)
+                       + f", the largest {max(abs(d) for d in diffs) / c['plain_final_spread']:.0%} of the plain "
+                       f"seeds' spread ({c['plain_final_spread']:.4f}), "
+                       + ("on either side" if min(diffs) < 0 < max(diffs) else "all on one side")
+                       + f", and {mq - mp:+.4f} on average"
+                       + (": the quantization's effect is of the size of run-to-run noise, with no direction seen."
+                          if min(diffs) < 0 < max(diffs) else ".")
+                       + " A range from three seeds is a narrow yardstick: each quantized run's final "
+                       "value lies " + ", ".join(q.get("position", "?") for q in c["quantized"])
+                       + " it.")
         qv = c.get("quantized_val_final") or []
         if len(qv) >= 2 and vals:
             out.append(f"- Held-out at the end: {statistics.mean(qv):.4f} ({min(qv):.4f} .. {max(qv):.4f}) against "
@@ -170,7 +189,8 @@ def ablation_lines(data_dir, loss) -> list:
 
     lines = [
         f"Which part: each part alone, seed 0, {steps} steps, the same settings otherwise (files "
-        "`loss_ablation_*.json`), beside the runs above at step " + str(steps) + f" (training loss: mean of steps "
+        "`loss_ablation_*.json`; hpZ alone trains bit for bit like plain stage 3, tests/core/test_zero_plus_plus.py, "
+        "so the hpZ + qwZ run shows qwZ's effect), beside the runs above at step " + str(steps) + f" (training loss: mean of steps "
         f"{steps - w + 1}-{steps}; held-out loss at step {steps}):",
         "",
         "| run | ZeRO++ options | training loss | held-out loss |",
@@ -257,7 +277,8 @@ def measured_section(cross) -> list:
         "- (b) hpZ moves the backward all-gathers inside the node: cross-node bytes fall by the blocks' "
         "backward share, intra-node bytes rise by as much as they are gathered within a node.",
         "- (c) adds int8 forward gathers (8.125 bits per element with one fp32 scale per 256: the AG "
-        "figure mixes them with hpZ's 16-bit backward gathers inside the node) and qgZ: a full-precision "
+        "figure mixes them with hpZ's backward gathers inside the node, which stay at the compute precision: 16 bits "
+        "in bf16, 32 in fp32) and qgZ: a full-precision "
         "reduce-scatter inside the node, then 4.125-bit pieces between nodes (0.25Ψ elements per rank here: "
         "(M-1)/M of 1/L of the gradient).",
         "- (d) HSDP never gathers across nodes: its cross-node traffic is the all-reduce of each rank's "
@@ -265,7 +286,8 @@ def measured_section(cross) -> list:
         "- This accounting is the direct exchange: a flat collective over ranks on both nodes is charged "
         "what each rank sends to each remote member, so the same shard sent to both ranks of the other node "
         "counts twice. A topology-aware library sends it once per node; the simulation below uses that "
-        "cheaper model for flat collectives, which favours plain stage 3 and hpZ, not ZeRO++ or HSDP.",
+        "cheaper model for flat collectives, which lowers every system's flat collectives: plain stage 3 has the "
+        "most of them (all three passes), hpZ two, ZeRO++ one (the int8 forward gather), HSDP none.",
         "",
     ]
     return lines
@@ -300,7 +322,8 @@ def loss_section(loss, png_rel, data_dir) -> list:
         "",
         "Left: training loss per step (thin, mean over the 4 ranks' micro-batches) and its "
         f"{loss['smooth']}-step moving average (thick); the shaded band is, at each step, the range of the "
-        "plain seeds' moving averages: the run-to-run spread the quantized run (green) is judged against. "
+        "plain seeds' moving averages (blue; green: the quantized seeds'), the run-to-run spread the quantized "
+        "runs are judged against. "
         "Right: the held-out loss at each evaluation, plain seeds in blue, the quantized runs in green.",
         "",
         loss_table(loss),
@@ -368,8 +391,11 @@ def simulation_section(sim, args, png_rel, cross) -> list:
                      f"{c['measured_cross']:,.0f}")
     lines += ["", f"![simulated step time]({png_rel})", "",
               "One panel per model (rows) and NIC bandwidth per GPU (columns); x: nodes of 8 GPUs (weak "
-              "scaling: the same tokens per GPU at every size); solid lines: step time with no overlap, dashed: "
-              "with full overlap; dotted grey: compute alone; x: model states above the GPU's memory. The "
+              "scaling: the same tokens per GPU at every size); lines with markers: step time with no overlap, "
+              "dotted: with full overlap (mostly on the compute line); grey: compute alone; x: model states above "
+              "the GPU's memory. hpZ (orange, dashed) and HSDP (blue) coincide: in this model they put the same "
+              "bytes on each link (hpZ: a forward gather and the reduce-scatter across nodes, each S/8 per GPU; "
+              "HSDP: the all-reduce of a 1/8 shard, 2 x S/8), and about the same on NVLink. The "
               "tables below give the same numbers, then each system's bytes per GPU per step on the NIC and "
               "on NVLink at the smallest and largest node count.", "",
               Z.markdown(sim["rows"], args, src), ""]
@@ -390,7 +416,15 @@ def headline(cross, loss, sim, args) -> list:
                     f"{z['cross_vs_plain']:.3f}x plain stage 3's {by['zero3']['cross_node_bytes'] / 1e6:.1f} MB"
                     + (f" and {z['cross_node_bytes'] / h['cross_node_bytes']:.2f}x FSDP2 HSDP's "
                        f"{h['cross_node_bytes'] / 1e6:.1f} MB" if h else "") + ".")
-    if loss and loss.get("comparison"):
+    if loss and loss.get("comparison") and len(loss["comparison"].get("quantized_final") or []) >= 2:
+        c = loss["comparison"]
+        qf, pf = c["quantized_final"], c["plain_final"]
+        out.append(f"- measured, loss: after {loss['steps']} steps hpZ + qwZ int8 + qgZ int4 ends at "
+                   f"{statistics.mean(qf):.4f} on average over {len(qf)} seeds ({min(qf):.4f} .. {max(qf):.4f}), "
+                   f"plain stage 3 at {statistics.mean(pf):.4f} ({min(pf):.4f} .. {max(pf):.4f}); same-seed "
+                   "differences " + ", ".join(f"{q['final_minus_same_seed_plain']:+.3f}" for q in c["quantized"])
+                   + ".")
+    elif loss and loss.get("comparison"):
         c = loss["comparison"]
         for q in c["quantized"]:
             where = {"inside": "inside", "below": "below (better than)", "above": "above (worse than)"}[
