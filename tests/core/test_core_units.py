@@ -25,6 +25,8 @@ class _Done:
 class FakeComm:
     """Records every collective; all_gather takes each rank's input from ``peers``."""
 
+    gradient_quantization = None  # qgZ off: the reducer reduce-scatters in one level
+
     def __init__(self, world_size: int) -> None:
         self.world_size, self.rank = world_size, 0
         self.calls = []

@@ -433,8 +433,8 @@ def test_stage3_prefetch_holds_at_most_the_budget_or_the_next_block_ahead():
         seen = []
         original = ModuleGroup.start_gather
 
-        def spy(group, comm):
-            original(group, comm)
+        def spy(group, comm, *rest):
+            original(group, comm, *rest)
             seen.append(sum(g.gathered for g in blocks))
 
         ModuleGroup.start_gather = spy

@@ -459,7 +459,8 @@ def _check_plan(model, optimizer, cfg, plan, partitioned: bool) -> None:
             assert all(small) if unit.persistent else not any(small)
             if not unit.persistent:
                 assert unit.module is not None
-                owned = {id(q) for q in unit.module.parameters()}
+                # A merged gather group's unit holds the parameters of all its members.
+                owned = {id(q) for m in (unit.members or (unit.module,)) for q in m.parameters()}
                 assert all(id(p) in owned for p in unit.params)
         # Every unit is a valid flat layout at any world size.
         for world in (1, 3, 64):

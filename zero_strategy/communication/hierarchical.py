@@ -20,7 +20,7 @@ Cross-node bytes per rank: (M - 1) / M of 1/L of the gradient at bits + 32/block
 bits per element, against (M - 1) / M of all of it at 16 or 32 bits for a flat
 reduce-scatter.  No error feedback: the rounding of one step is not carried into the
 next (ZeRO++ reports convergence unchanged without it for int4 with blocks of this
-size; docs/multinode.md shows the loss curves measured here).
+size; docs/benchmarks/zero_plus_plus.md shows the loss curves measured here).
 """
 from __future__ import annotations
 
