@@ -293,7 +293,8 @@ class ZeroSystem(_EngineDriven):
         return self.engine.comm_report().paper_volume
 
     def comm_by_kind(self):
-        return {k: v["elements"] for k, v in self.engine.comm_report().as_dict().items()}
+        # "total" is the intra/cross-node byte sums, not a kind
+        return {k: v["elements"] for k, v in self.engine.comm_report().as_dict().items() if "elements" in v}
 
     def close(self):
         self.engine.close()
