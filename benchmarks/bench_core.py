@@ -17,14 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import io
 import json
 import os
 import statistics
 import sys
 import time
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -118,23 +115,14 @@ def run_system(name, args, rank, world_size, batches, progress):
 
 
 def worker_main(rank, world_size, store_path, args, queue):
+    from spawn import worker_session  # benchmarks/spawn.py
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // world_size))
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), DS_ACCELERATOR="cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29555")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
-    ok = False
-    try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    env = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+               DS_ACCELERATOR="cpu")
+    with worker_session(rank, world_size, store_path, queue, threads=cores // world_size, env=env) as send:
         batches = make_batches(args, rank)
         results, skipped = {}, {}
         psi = S.trainable_numel(S.build_model(args))
@@ -162,24 +150,7 @@ def worker_main(rank, world_size, store_path, args, queue):
                 results.setdefault(name, []).append(run)
                 dist.barrier()
         payload = {"results": results, "skipped": skipped, "threads": torch.get_num_threads()}
-        buf = io.BytesIO()
-        torch.save(payload, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-        ok = True
-    except BaseException:  # noqa: BLE001 - the parent prints it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            # DeepSpeed leaves threads that abort() in the interpreter's teardown; the
-            # result is already sent, so leave without running it.
-            queue.close()
-            queue.join_thread()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0 if ok else 1)
+        send(payload)
 
 
 def spawn(args, progress=None):

@@ -35,15 +35,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
-import io
 import json
 import os
 import shlex
 import statistics
 import sys
 import time
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -318,22 +315,11 @@ def run_one(name, ns, rank, batches, counter):
 
 
 def worker_main(rank, world_size, store_path, args, queue):
-    torch.set_num_threads(max(1, args.threads))
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % args.ranks_per_node), WORLD_SIZE=str(world_size))
-    try:
-        from transformers.utils import logging as hf_logging
+    from spawn import worker_session  # benchmarks/spawn.py
+    from zero_strategy.communication.topology import Topology
 
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
-    ok = False
-    counter = None
-    try:
-        from zero_strategy.communication.topology import Topology
-
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    env = dict(RANK=str(rank), LOCAL_RANK=str(rank % args.ranks_per_node), WORLD_SIZE=str(world_size))
+    with worker_session(rank, world_size, store_path, queue, threads=args.threads, env=env) as send:
         counter = DirectExchangeCounter(Topology(world_size, args.ranks_per_node), rank)
         results = {}
         for model in args.models:
@@ -357,22 +343,7 @@ def worker_main(rank, world_size, store_path, args, queue):
                         queue.put((rank, "progress", f"{model} {precision} {name}: "
                                    f"{statistics.median(run['times'][ns.warmup:]):.2f} s/step"))
                     dist.barrier()
-        buf = io.BytesIO()
-        torch.save({"results": results, "threads": torch.get_num_threads()}, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-        ok = True
-    except BaseException:  # noqa: BLE001 - the parent prints it
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            queue.close()
-            queue.join_thread()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0 if ok else 1)
+        send({"results": results, "threads": torch.get_num_threads()})
 
 
 # ---------------------------------------------------------------------------------------

@@ -2,20 +2,69 @@
 
 A worker is called as ``worker_main(rank, world_size, store_path, args, queue)`` and
 puts ``(rank, "ok", torch-serialised bytes)``, ``(rank, "error", traceback text)`` or,
-optionally, ``(rank, "progress", payload)`` on the queue.  A rank that dies, an error
+optionally, ``(rank, "progress", payload)`` on the queue; :func:`worker_session` does
+that part for it (the process group, the result or the error, the exit).  A rank that dies, an error
 or ``args.timeout`` seconds without every result stop the run with RuntimeError; only
 the processes started here are killed, and the FileStore's files are removed.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue as queue_mod
+import sys
 import tempfile
 import time
+import traceback
+import warnings
 
 import torch
 import torch.multiprocessing as mp
+
+
+@contextlib.contextmanager
+def worker_session(rank: int, world_size: int, store_path: str, queue, *, threads: int, env=None):
+    """The life of one benchmark worker around its work: threads, quiet warnings and
+    transformers logging, ``env`` exported, a gloo process group on the FileStore.
+    Yields ``send(payload)``, which puts the rank's torch-serialised result on the
+    queue; an exception puts its traceback there instead.  Either way the process
+    group is destroyed and the process leaves with ``os._exit`` (some libraries leave
+    threads that abort in the interpreter's teardown; the result is already sent)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, threads))
+    warnings.filterwarnings("ignore")
+    os.environ.update(env or {})
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+    sent = []
+
+    def send(payload) -> None:
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        queue.put((rank, "ok", buf.getvalue()))
+        sent.append(True)
+
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+        yield send
+    except BaseException:  # noqa: BLE001 - the parent prints it
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        finally:
+            queue.close()
+            queue.join_thread()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0 if sent else 1)
 
 
 def run_workers(worker_main, args, prefix: str, progress=None) -> list:

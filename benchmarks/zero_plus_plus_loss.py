@@ -26,15 +26,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
-import io
 import json
 import os
 import shlex
 import statistics
 import sys
 import time
-import traceback
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -113,19 +110,10 @@ def train_run(args, rank, world_size, config_extra, seed, data, val_x, progress)
 
 
 def worker_main(rank, world_size, store_path, args, queue):
-    torch.set_num_threads(max(1, args.threads))
-    warnings.filterwarnings("ignore")
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % args.ranks_per_node), WORLD_SIZE=str(world_size))
-    try:
-        from transformers.utils import logging as hf_logging
+    from spawn import worker_session  # benchmarks/spawn.py
 
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
-    ok = False
-    try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    env = dict(RANK=str(rank), LOCAL_RANK=str(rank % args.ranks_per_node), WORLD_SIZE=str(world_size))
+    with worker_session(rank, world_size, store_path, queue, threads=args.threads, env=env) as send:
         data = corpus(int(args.corpus_mb * 1e6))
         # Validation: fixed windows of the held-out tail, split over the ranks.
         val_start = int(len(data) * 0.95)
@@ -143,20 +131,7 @@ def worker_main(rank, world_size, store_path, args, queue):
             run.update(name=name, seed=seed, config=extra)
             results.append(run)
             dist.barrier()
-        buf = io.BytesIO()
-        torch.save({"runs": results, "threads": torch.get_num_threads(), "corpus_bytes": len(data)}, buf)
-        queue.put((rank, "ok", buf.getvalue()))
-        ok = True
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            queue.close()
-            queue.join_thread()
-            os._exit(0 if ok else 1)
+        send({"runs": results, "threads": torch.get_num_threads(), "corpus_bytes": len(data)})
 
 
 # ---------------------------------------------------------------------------------------
