@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from processes import process_tree
 from warm_launch import HUNG_AFTER_FINISHING, warm_launch
 from zero_strategy.integrations.accelerate import settings
 
@@ -174,21 +175,7 @@ _HUNG_AT_EXIT = HUNG_AFTER_FINISHING
 EXIT_GRACE = 30  # seconds a reference launch gets to exit once its last output exists
 
 
-def _process_tree(root: int) -> list:
-    """``root`` and every process descended from it (Linux /proc)."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo.extend(children.get(pid, []))
-    return tree
+_process_tree = process_tree  # test_trl_dpo.py imports it from here
 
 
 REFERENCE_EXIT = Path(__file__).resolve().parents[1] / "support" / "reference_exit"

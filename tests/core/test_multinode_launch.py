@@ -87,13 +87,14 @@ def torchrun_runs(tmp_path_factory):
     runs["2x2"] = _example(tmp, "2x2", [c10d, c10d])
     port = _free_port()
     static = ["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    runs["2x1"] = _example(tmp, "2x1", [static + ["--node-rank", "0"], static + ["--node-rank", "1"]])
+    short = ["--steps", "4"]  # the 2 x 1 pair is not quoted by the docs: 4 steps compare as well as 10
+    runs["2x1"] = _example(tmp, "2x1", [static + ["--node-rank", "0"], static + ["--node-rank", "1"]], short)
     runs["1x4"] = _example(tmp, "1x4", [["--standalone", "--nproc-per-node", "4"]])
-    runs["1x2"] = _example(tmp, "1x2", [["--standalone", "--nproc-per-node", "2"]])
+    runs["1x2"] = _example(tmp, "1x2", [["--standalone", "--nproc-per-node", "2"]], short)
     # hpZ across the two launchers' nodes, each block gathered on its own (by default the
     # example's whole model is one gather kept from forward into backward: nothing for
     # hpZ to do), against one node running plain stage 3 the same way.
-    blocks = ["--min-gather-numel", "0"]
+    blocks = ["--min-gather-numel", "0", "--steps", "4"]  # 4 steps: enough to compare, half the time
     c10d = c10d[:-1] + [f"127.0.0.1:{_free_port()}"]
     runs["2x2_hpz"] = _example(tmp, "2x2_hpz", [c10d, c10d], blocks + ["--secondary-partition", "node"])
     runs["1x4_blocks"] = _example(tmp, "1x4_blocks", [["--standalone", "--nproc-per-node", "4"]], blocks)
@@ -110,7 +111,7 @@ def _same_weights(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("nodes,one_node", [("2x2", "1x4"), ("2x1", "1x2")])
 def test_two_torchrun_launchers_train_like_one(torchrun_runs, nodes, one_node):
     got, ref = torchrun_runs[nodes], torchrun_runs[one_node]
-    assert len(got["steps"]) == 10 and got["steps"] == ref["steps"]
+    assert len(got["steps"]) == (10 if nodes == "2x2" else 4) and got["steps"] == ref["steps"]
     assert got["summary"] == ref["summary"] and got["probe"] == ref["probe"]
     _same_weights(got["weights"], ref["weights"])
 
@@ -119,7 +120,7 @@ def test_two_torchrun_launchers_train_like_one(torchrun_runs, nodes, one_node):
 def test_hpz_across_two_launchers_trains_exactly_like_plain_stage_3_on_one_node(torchrun_runs):
     got, ref = torchrun_runs["2x2_hpz"], torchrun_runs["1x4_blocks"]
     assert "ZeRO++: hpZ" in got["setup"] and "2 nodes x 2 ranks" in got["setup"]
-    assert len(got["steps"]) == 10 and got["steps"] == ref["steps"]
+    assert len(got["steps"]) == 4 and got["steps"] == ref["steps"]
     assert got["summary"] == ref["summary"] and got["probe"] == ref["probe"]
     _same_weights(got["weights"], ref["weights"])
 
