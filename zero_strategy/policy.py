@@ -6,8 +6,10 @@ asks one of these objects a question ("are gradients sharded?", "which storage h
 them?") instead of reading ``config.stage``; ``Policies.from_config`` is the only place
 that turns the config's numbers into those answers (ZeroConfig itself holds only the
 fields and their validation: one answer layer).  A new stage-like variation (disk
-offload, hierarchical partitioning) becomes a new answer here, not a new ``if`` in the
-engine.
+offload) becomes a new answer here, not a new ``if`` in the engine.  ZeRO++'s options
+(hpZ, qwZ, qgZ) change how collectives run rather than what a stage holds: they are
+turned into communicators and (bits, block) pairs in one place,
+communication/multinode.py, which the builder asks.
 """
 from __future__ import annotations
 

@@ -66,6 +66,11 @@ def set_up(comm, config, topology: Topology) -> Topology:
     return topology
 
 
+def keeps_secondary(config) -> bool:
+    """hpZ: whether partitioned units keep a node slice from forward to backward."""
+    return config.secondary_partition is not None
+
+
 def weight_quantization(config) -> Optional[tuple]:
     """(bits, block) for qwZ, or None."""
     if config.weight_quantization is None:
@@ -88,4 +93,4 @@ def describe(topology: Topology, config) -> str:
     return f"{topology.describe()} (from {topology.source}){zpp}"
 
 
-__all__ = ["BITS", "describe", "set_up", "weight_quantization"]
+__all__ = ["BITS", "describe", "keeps_secondary", "resolve_topology", "set_up", "weight_quantization"]

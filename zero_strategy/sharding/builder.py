@@ -136,7 +136,7 @@ def _gatherer(sharded: ShardedModel, plan, module_names) -> ParameterGatherer:
     comm, cfg = sharded.comm, sharded.config
     # hpZ: every partitioned unit keeps its node chunk from forward to backward
     # ([Note: ZeRO++ in a shard] in param_shard.py).
-    secondary = cfg.secondary_partition is not None and comm.node_comm is not None
+    secondary = multinode.keeps_secondary(cfg) and comm.node_comm is not None
     if secondary:
         for g in groups.values():
             for u in g.units:

@@ -241,6 +241,8 @@ class ParameterGatherer:
         return self.secondary_partition and torch.is_grad_enabled() and not self.in_backward
 
     def drop_secondaries(self) -> None:
+        if not self.secondary_partition:
+            return
         for g in self.groups:
             for u in g.units:
                 u.params_store.drop_secondary()
