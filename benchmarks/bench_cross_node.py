@@ -547,15 +547,9 @@ def main(argv=None):
         sys.stderr.flush()
 
     summary = run(args, progress)
-    text = markdown(summary)
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1)
+    from report import write_outputs  # benchmarks/report.py
+
+    write_outputs(markdown(summary) + "\n", summary, args.output, args.json)
     return summary
 
 

@@ -298,5 +298,6 @@ def write_outputs(table: str, data, output=None, json_path=None) -> None:
         with open(output, "w", encoding="utf-8") as f:
             f.write(table)
     if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1)

@@ -436,14 +436,9 @@ def main(argv=None):
             text += (f"\ncheck {c['system']}: sent_bytes on the decomposition gives intra {c['intra']:,.0f} / cross "
                      f"{c['cross']:,.0f} B, measured {c['measured_intra']:,.0f} / {c['measured_cross']:,.0f} B")
         text += "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
+    from report import write_outputs  # benchmarks/report.py
+
+    write_outputs(text + "\n", out, args.output, args.json)
     if args.plot:
         plot(out["rows"], args, args.plot)
     if args.check:
