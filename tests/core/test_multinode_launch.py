@@ -305,22 +305,10 @@ def test_set_up_on_every_rank_of_a_slurm_job(job, monkeypatch):
 # ======================================================================================
 # checkpoints across node layouts
 # ======================================================================================
-GLOBAL_BATCH = 12  # divisible by 3 and 4 ranks
-STEPS = 4
+# test_checkpoint.py's global batch (12: divisible by 3 and 4 ranks) and training loop
+from test_checkpoint import GLOBAL_BATCH, STEPS, _train  # noqa: E402
+
 SAVED_AT = 2
-
-
-def _train(model, engine, rank, ws, batches):
-    losses = []
-    for b in batches:
-        ids = b.view(ws, GLOBAL_BATCH // ws, -1)[rank]
-        loss = model(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        t = loss.detach().clone() / ws
-        torch.distributed.all_reduce(t)
-        losses.append(float(t))
-    return losses
 
 
 def _ckpt_worker(rank, ws, mode, path, layout):
@@ -340,14 +328,14 @@ def _ckpt_worker(rank, ws, mode, path, layout):
                                                                                                 secondary_partition=None))
         where = engine.topology.describe()
         if what == "uninterrupted":
-            return where, _train(model, engine, rank, ws, batches)
+            return where, _train(engine, model, rank, ws, batches)
         if what == "save":
-            losses = _train(model, engine, rank, ws, batches[:SAVED_AT])
+            losses = _train(engine, model, rank, ws, batches[:SAVED_AT])
             engine.save_checkpoint(path)
             return where, losses
         engine.load_checkpoint(path)
         assert engine.global_step == SAVED_AT
-        return where, _train(model, engine, rank, ws, batches[SAVED_AT:])
+        return where, _train(engine, model, rank, ws, batches[SAVED_AT:])
 
     # One process group for both runs; each gets its own model and engine (a different
     # seed for the resumed one: its weights must come from the checkpoint).
